@@ -1,0 +1,14 @@
+"""commsched: a priority/credit communication scheduler for PyTorch training.
+
+Gradient communication from DDP (``commsched.hooks``) and Megatron-core
+(``commsched.megatron_patches``) goes through one ``Scheduler`` that partitions tensors into
+chunks, orders them by priority under a credit window of bytes in flight, decomposes
+collectives, and reports what ran to telemetry.
+"""
+
+from .config import Config, ConfigError
+from .scheduler import Request, Scheduler, SchedulerError
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "Scheduler", "Request", "SchedulerError", "__version__"]

@@ -1,0 +1,78 @@
+"""The ``commsched`` command: one entry point, one subcommand per job.
+
+    commsched demo                     train a small model on 2 processes, scheduler on
+    commsched run SCRIPT [ARGS]        same as python -m commsched.run
+    commsched env                      the COMMSCHED_* variables and their current values
+    commsched patch-launch SCRIPT      make a Megatron-LM launch script run under commsched
+    commsched report RUN_DIR           per-iteration telemetry report
+    commsched trace RUN_DIR -o F       Perfetto/Chrome trace of a run
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import List, Optional
+
+# subcommand -> (module, function taking argv and returning an exit code, help)
+_COMMANDS = {
+    "demo": ("commsched.demo", "main", "train a small model on 2 processes, scheduler on"),
+    "run": ("commsched.run", "main", "run a training script under commsched"),
+    "env": ("commsched.cli", "env_main", "list COMMSCHED_* variables and validate them"),
+    "patch-launch": ("commsched.megatron_patches.launch_script", "main",
+                     "rewrite a Megatron-LM launch script to run under commsched"),
+    "report": ("commsched.telemetry.report", "report_main", "telemetry report of a run"),
+    "trace": ("commsched.telemetry.trace", "trace_main", "Perfetto trace of a run"),
+}
+
+
+def env_main(argv: List[str]) -> int:
+    """Print every variable commsched reads, its value here, and whether it is valid."""
+    import os
+
+    from .config import ENV_VARS, Config, ConfigError
+
+    if argv:
+        print(f"commsched env: error: unexpected arguments {argv}", file=sys.stderr)
+        return 2
+    for var, help_text in ENV_VARS.items():
+        print(f"{var:<28} {os.environ.get(var, '(unset)'):<12} {help_text}")
+    try:
+        Config.from_env()
+    except ConfigError as exc:
+        print(f"commsched env: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _usage() -> str:
+    lines = ["usage: commsched COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<14} {spec[2]}" for name, spec in _COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    spec = _COMMANDS.get(command)
+    if spec is None:
+        import difflib
+        close = difflib.get_close_matches(command, _COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"commsched: error: unknown command {command!r}{hint}\n\n{_usage()}",
+              file=sys.stderr)
+        return 2
+    module_name, function, _ = spec
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"commsched {command}: unavailable: {exc}", file=sys.stderr)
+        return 2
+    return int(getattr(module, function)(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

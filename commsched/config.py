@@ -1,0 +1,215 @@
+"""commsched configuration: one dataclass, parsed once, at the edge.
+
+Every knob has a field here with its meaning, its environment variable and its default.
+``Config.from_env()`` is the only place that reads ``COMMSCHED*`` variables; everything
+downstream receives a validated ``Config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS"]
+
+
+class ConfigError(ValueError):
+    """A configuration value was rejected; the message names the variable or argument."""
+
+
+POLICIES = ("priority", "fifo")
+DECOMPOSITIONS = ("none", "rs_ag")
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+# Far above any gradient bucket; guards against typos such as 4000GiB.
+_MAX_BYTES = 1 << 40
+
+
+def parse_bytes(text: str, name: str) -> int:
+    """Parse ``"4194304"``, ``"4MiB"``, ``"64kb"`` or ``"inf"`` into a byte count.
+
+    ``inf`` (or ``0`` where the field allows it) means unbounded and is returned as 0.
+    ``name`` is the variable or argument named in the error message.
+    """
+    if text.strip().lower() in ("inf", "unlimited"):
+        return 0
+    m = _BYTES_RE.match(text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ConfigError(
+            f"{name}={text!r}: expected a byte count such as 4194304, 4MiB, 512KiB, 1GiB or inf"
+        )
+    value = int(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if value > _MAX_BYTES:
+        raise ConfigError(f"{name}={text!r}: {value} bytes is larger than the 1 TiB limit")
+    return value
+
+
+def _env(var: str, help: str, minimum: int = 0) -> dict:
+    return {"env": var, "help": help, "min": minimum}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated commsched settings. Construct directly, or with ``Config.from_env()``."""
+
+    enabled: bool = field(default=False, metadata=_env(
+        "COMMSCHED",
+        "Master switch, 0 or 1. With 0 (or unset) the launcher patches and registers nothing."))
+    """Master switch. Off means off: nothing is patched or registered (invariant 3)."""
+
+    partition_bytes: int = field(default=4 << 20, metadata=_env(
+        "COMMSCHED_PARTITION_BYTES",
+        "Largest chunk a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); "
+        "0 or inf disables partitioning."))
+    """Largest chunk a request is partitioned into; 0 means no partitioning."""
+
+    credit_bytes: int = field(default=16 << 20, metadata=_env(
+        "COMMSCHED_CREDIT_BYTES",
+        "Credit window: most bytes in flight per process group; 0 or inf is unbounded."))
+    """Bytes allowed in flight per process group; 0 means unbounded. A chunk larger than
+    the whole window is admitted alone once nothing else is in flight."""
+
+    policy: str = field(default="priority", metadata=_env(
+        "COMMSCHED_POLICY",
+        "Dispatch order: priority (layers the next forward needs first, from a profiled "
+        "plan) or fifo (gradient-readiness order)."))
+    """``priority``: dispatch by a plan built from a profile of readiness times and layer
+    priorities; ``fifo``: dispatch in submission order."""
+
+    decompose: str = field(default="none", metadata=_env(
+        "COMMSCHED_DECOMPOSE",
+        "How an all-reduce chunk is run: none (one all-reduce) or rs_ag "
+        "(reduce-scatter then all-gather)."))
+    """Decomposition of all-reduce chunks: ``none`` or ``rs_ag``."""
+
+    profile_iters: int = field(default=2, metadata=_env(
+        "COMMSCHED_PROFILE_ITERS",
+        "Iterations run in fifo order (and profiled) before a priority plan is built; >= 1.",
+        minimum=1))
+    """Warm-up iterations, dispatched FIFO and profiled, before the first priority plan."""
+
+    telemetry_dir: Optional[str] = field(default=None, metadata=_env(
+        "COMMSCHED_TELEMETRY_DIR",
+        "Directory for the telemetry store (SQLite) and exports; unset disables telemetry."))
+    """Run directory for telemetry; ``None`` disables telemetry."""
+
+    nvtx: bool = field(default=False, metadata=_env(
+        "COMMSCHED_NVTX", "0 or 1: emit NVTX ranges around chunks and iterations."))
+    """Emit NVTX ranges (for Nsight Systems) around dispatched chunks and iterations."""
+
+    telemetry_nvml_period_ms: int = field(default=100, metadata=_env(
+        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS",
+        "NVLink counter sampling period in ms (samples are also taken at iteration "
+        "boundaries); 0 turns NVML sampling off."))
+    """Period of the NVLink counter sampler thread, in ms; 0 disables NVML sampling."""
+
+    telemetry_nvml_per_link: bool = field(default=True, metadata=_env(
+        "COMMSCHED_TELEMETRY_NVML_PER_LINK",
+        "1: sample NVLink DATA counters per link (~14 ms a sample on 18 links); 0: only "
+        "sums over links (~1.2 ms)."))
+    """Sample per-link counters (else only the sums over links)."""
+
+    telemetry_max_bytes: int = field(default=0, metadata=_env(
+        "COMMSCHED_TELEMETRY_MAX_BYTES",
+        "Size cap of each rank's telemetry store; at the cap telemetry turns itself off "
+        "with one warning. 0 or inf: no cap."))
+    """Size cap of each rank's store in bytes; 0 means no cap."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int):
+                _check_int(f.name, value, minimum=f.metadata["min"])
+            elif f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ConfigError(f"{f.name}={value!r}: expected True or False")
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("decompose", self.decompose, DECOMPOSITIONS)
+        if self.telemetry_dir is not None and (
+                not isinstance(self.telemetry_dir, str) or not self.telemetry_dir.strip()):
+            raise ConfigError(
+                f"telemetry_dir={self.telemetry_dir!r}: expected a non-empty path or None")
+
+    def replace(self, **changes) -> "Config":
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        """Read every ``COMMSCHED*`` variable from ``environ`` (default ``os.environ``).
+
+        Unknown ``COMMSCHED_*`` names are rejected with a suggestion, since a misspelt
+        variable silently ignored is a setting silently not applied.
+        """
+        environ = os.environ if environ is None else environ
+        known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
+        for var in environ:
+            if (var == "COMMSCHED" or var.startswith("COMMSCHED_")) and var not in known:
+                close = difflib.get_close_matches(var, known, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"{var}: unknown commsched variable{hint} "
+                                  f"(known: {', '.join(sorted(known))})")
+        values = {}
+        for var, f in known.items():
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            values[f.name] = _parse_field(f, var, raw)
+        return cls(**values)
+
+
+def _parse_field(f: dataclasses.Field, var: str, raw: str):
+    if f.type in ("bool", bool):
+        if raw.strip() in ("0", "1"):
+            return raw.strip() == "1"
+        raise ConfigError(f"{var}={raw!r}: expected 0 or 1")
+    if f.name.endswith("_bytes"):
+        return parse_bytes(raw, var)
+    if f.type in ("int", int):
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r}: expected an integer") from None
+        if value < f.metadata["min"]:
+            raise ConfigError(f"{var}={raw!r}: expected an integer >= {f.metadata['min']}")
+        return value
+    if f.name == "policy":
+        return _choice(var, raw, POLICIES)
+    if f.name == "decompose":
+        return _choice(var, raw, DECOMPOSITIONS)
+    if f.name == "telemetry_dir":
+        if not raw.strip():
+            raise ConfigError(f"{var}={raw!r}: expected a directory path")
+        return raw
+    raise AssertionError(f"no parser for {f.name}")  # pragma: no cover
+
+
+def _choice(var: str, raw: str, choices) -> str:
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{var}={raw!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r}: expected an integer >= {minimum}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+
+
+ENV_VARS = {f.metadata["env"]: f.metadata["help"] for f in dataclasses.fields(Config)}
+"""Every environment variable commsched reads, with its one-line help (README table)."""

@@ -1,0 +1,57 @@
+"""The narrow interface through which telemetry observes the scheduler.
+
+The scheduler knows nothing about stores, NVML or traces: it hands finished records to an
+``Observer``. ``on_chunk`` is called from the scheduler's completion thread, never from the
+training thread, and must only enqueue (no I/O, no NVML).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Tuple
+
+__all__ = ["ChunkRecord", "IterationRecord", "Observer"]
+
+
+class ChunkRecord(NamedTuple):
+    """One collective step that ran on one chunk. Times are ``time.time_ns()`` nanoseconds
+    (wall clock, comparable across ranks and with NVML samples taken in another thread)."""
+
+    lane: str                 # process-group label, e.g. "g0"; one lane per process group
+    iteration: int            # scheduler iteration of the lane (0-based)
+    request_key: str          # adapter's stable name for the request, e.g. "bucket3"
+    op: str                   # the request's op: all_reduce | reduce_scatter | all_gather
+    step: str                 # the collective that ran: all_reduce | reduce_scatter | all_gather
+    decompose: str            # none | rs_ag
+    chunk_index: int          # index of the chunk within its request
+    num_chunks: int           # chunks in the request
+    nbytes: int               # payload bytes of the chunk (the full-size tensor, before any split)
+    dtype: str                # e.g. "float32"
+    group_ranks: Tuple[int, ...]  # global ranks of the process group
+    priority: int             # lower = needed earlier by the next forward
+    t_submit_ns: int          # request handed to the scheduler
+    t_dispatch_ns: int        # collective call issued (host)
+    t_start_ns: int           # device start: CUDA event on the launch stream, or dispatch on CPU
+    t_end_ns: int             # device completion (CUDA event / work.wait() returned)
+    ok: bool = True           # False when the collective raised
+    error: str = ""
+
+
+class IterationRecord(NamedTuple):
+    """An iteration of a lane: from its first submission to the end-of-iteration flush."""
+
+    lane: str
+    iteration: int
+    t_first_submit_ns: int
+    t_flush_ns: int
+    requests: int
+    chunks: int
+    nbytes: int
+    planned: bool             # dispatched by a priority plan (False: fifo order)
+
+
+class Observer(Protocol):
+    def on_chunk(self, record: ChunkRecord) -> None:
+        """A chunk step finished on the device. Called from the completion thread."""
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        """A lane's iteration was flushed (all its requests submitted). Training thread."""

@@ -1,0 +1,558 @@
+"""The priority/credit scheduler.
+
+  submit(request) ─► partition into chunks ─► lane of the request's process group
+                                                │  dispatch order: fifo, or a priority plan
+                                                ▼
+                     credit gate (bytes in flight) ─► async collective (torch.distributed)
+                                                │
+  request future ◄── all chunks done ◄── completion thread: device completion, credit back
+
+Invariant 1 (same collective sequence on every rank, per process group) is kept this way:
+a lane dispatches chunks in an order that is a pure function of (a) the sequence of requests
+submitted to it — adapters submit the same requests in the same order on every rank, e.g.
+DDP buckets strictly by index — and (b) the lane's plan, itself built from rank-invariant
+inputs at an iteration boundary (see plan.py). Timing only decides *when* the next chunk
+in that order goes (head-of-line: it waits for its request, for credit, and on backends
+without stream ordering for its previous step), never *which* chunk goes next.
+Per iteration the order is: the plan's chunks whose request was submitted with the planned
+chunk count, in plan order, then every other request's chunks in submission order. Without a
+plan (policy fifo, or warm-up) it is submission order.
+
+Invariant 2 (completion means device completion): credit is returned and request futures
+are resolved by a completion thread per lane that blocks (GIL released) in
+``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded after the collective
+on a watch stream (NCCL), never when the collective was merely enqueued.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Dict, Hashable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import finish_chunk, issue_step, steps_for
+from .config import Config
+from .observer import ChunkRecord, IterationRecord
+from .partition import Chunk, partition
+from .plan import Plan, RequestProfile, build_plan
+from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
+
+__all__ = ["Scheduler", "Request", "SchedulerError"]
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class SchedulerError(RuntimeError):
+    """A request could not be scheduled, or a collective it ran failed."""
+
+
+class Request:
+    """A flat tensor handed to the scheduler; ``future`` resolves to the tensor once every
+    chunk finished on the device."""
+
+    __slots__ = (
+        "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
+        "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
+        "ready_event", "lane",
+    )
+
+    def wait(self) -> torch.Tensor:
+        """Block until the request finished on the device; returns its tensor."""
+        return self.future.wait()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.key!r}, op={self.op}, numel={self.tensor.numel()}, "
+                f"chunks={len(self.chunks)}, priority={self.priority})")
+
+
+class _Iteration:
+    """One lane iteration: the requests submitted between two end_iteration() calls, and
+    the dispatch cursor over them."""
+
+    __slots__ = ("index", "requests", "by_key", "flushed", "plan", "profile", "resolved",
+                 "planned", "plan_pos", "req_pos", "chunk_pos", "t_first_ns")
+
+    def __init__(self, index: int, profile: Optional[List[RequestProfile]], planned: bool):
+        self.index = index
+        self.requests: List[Request] = []
+        self.by_key: Dict[Hashable, Request] = {}
+        self.flushed = False
+        # The plan is resolved when the iteration reaches the head of the dispatch order:
+        # only then is it certain, on every rank alike, which plan is in force.
+        self.plan: Optional[Plan] = None
+        self.profile = profile        # set: build a new plan from it first
+        self.resolved = False
+        self.planned = planned
+        self.plan_pos = 0
+        self.req_pos = 0
+        self.chunk_pos = 0
+        self.t_first_ns = 0
+
+
+_DONE = object()
+
+
+class _Lane:
+    """Everything the scheduler does for one process group. ``lock`` guards all mutable
+    state; dispatch happens under it, so the dispatch sequence is totally ordered."""
+
+    def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str):
+        self.config = scheduler.config
+        self.observer = scheduler.observer
+        self.trace_dispatch = scheduler.trace_dispatch
+        self.group = group
+        self.name = name
+        self.device = device
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.cuda = device.type == "cuda"
+        # NCCL runs a group's collectives in issue order on one stream: the all-gather of a
+        # chunk may be issued right behind its reduce-scatter. Gloo runs them on a thread
+        # pool, so a dependent step must wait for the previous one to finish.
+        self.stream_ordered = self.cuda
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.iterations: "collections.deque[_Iteration]" = collections.deque()
+        self.current: Optional[_Iteration] = None
+        self.iteration_count = 0
+        self.dispatched_iterations = 0            # iterations whose every step was issued
+        self.in_flight_bytes = 0
+        self.cur_chunk: Optional[Chunk] = None
+        self.cur_step = 0
+        self.plan: Optional[Plan] = None          # in force at the head of the order
+        self.planned_layout = None                # what the newest decided plan is for
+        self.next_profile: Optional[List[RequestProfile]] = None
+        self.last_layout = None
+        self.stable_iters = 0
+        self.busy_seconds = 0.0           # device time of completed chunks (cost model)
+        self.busy_bytes = 0
+        self.failure: Optional[BaseException] = None
+        self.dispatch_log: List[tuple] = []
+        self.chunks_dispatched = 0
+        self.bytes_dispatched = 0
+        self.peak_in_flight_bytes = 0
+        self.last_iteration: Optional[IterationRecord] = None
+        self.pending: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.events: "collections.deque" = collections.deque()
+        if self.cuda:
+            self.launch_stream = torch.cuda.Stream(device)
+            self.watch_stream = torch.cuda.Stream(device)
+        self.thread = threading.Thread(target=self._completion_loop,
+                                       name=f"commsched-{name}", daemon=True)
+        self.thread.start()
+
+    # ---- submission (training thread) ----------------------------------------------------
+    def add(self, req: Request) -> None:
+        with self.lock:
+            if self.failure is not None:
+                raise SchedulerError(f"lane {self.name} failed earlier: {self.failure}")
+            it = self.current
+            if it is None:
+                it = self._begin_iteration()
+            if req.key in it.by_key:
+                raise SchedulerError(
+                    f"request key {req.key!r} submitted twice in iteration {it.index} of "
+                    f"lane {self.name}; call end_iteration() between iterations")
+            req.iteration = it.index
+            it.requests.append(req)
+            it.by_key[req.key] = req
+            self._pump()
+
+    def _begin_iteration(self) -> _Iteration:
+        it = _Iteration(self.iteration_count, self.next_profile, self.planned_layout is not None)
+        self.next_profile = None
+        it.t_first_ns = time.time_ns()
+        self.iteration_count += 1
+        self.iterations.append(it)
+        self.current = it
+        return it
+
+    def end_iteration(self, wait_dispatched: bool) -> Optional[IterationRecord]:
+        with self.lock:
+            it = self.current
+            if it is None:
+                return None
+            self.current = None
+            it.flushed = True
+            self._note_layout(it)
+            record = IterationRecord(
+                self.name, it.index, it.t_first_ns, time.time_ns(), len(it.requests),
+                sum(len(r.chunks) for r in it.requests),
+                sum(r.tensor.numel() * r.tensor.element_size() for r in it.requests),
+                it.planned)
+            self.last_iteration = record
+            self._pump()
+            while wait_dispatched and it.index >= self.dispatched_iterations:
+                if self.failure is not None:
+                    raise SchedulerError(f"lane {self.name} failed: {self.failure}")
+                self.idle.wait()
+        if self.observer is not None:
+            self.observer.on_iteration(record)
+        return record
+
+    def _note_layout(self, it: _Iteration) -> None:
+        """Decide, from the submitted layout only (rank-invariant), whether the next
+        iteration builds a new plan; keep this iteration's readiness as its profile."""
+        if self.config.policy != "priority":
+            return
+        layout = tuple((r.key, r.tensor.numel(), len(r.chunks)) for r in it.requests)
+        self.stable_iters = self.stable_iters + 1 if layout == self.last_layout else 1
+        self.last_layout = layout
+        current = {key: nchunks for key, _, nchunks in layout}
+        if self.planned_layout != current and self.stable_iters >= self.config.profile_iters:
+            self.planned_layout = current
+            t0 = it.t_first_ns
+            self.next_profile = [
+                RequestProfile(r.key, r.priority, (r.t_submit_ns - t0) * 1e-9,
+                               tuple(c.nbytes for c in r.chunks))
+                for r in it.requests]
+
+    # ---- dispatch (any thread, lock held) ------------------------------------------------
+    def _pump(self) -> None:
+        """Dispatch as far as the order, credit and step dependencies allow."""
+        credit = self.config.credit_bytes
+        while True:
+            chunk = self.cur_chunk
+            if chunk is None:
+                if not self.iterations:
+                    self.idle.notify_all()
+                    return
+                it = self.iterations[0]
+                if not it.resolved:
+                    if it.profile is not None:
+                        self.plan = self._exchange_profile_and_plan(it.profile)
+                    it.plan, it.resolved = self.plan, True
+                chunk = self._peek(it)
+                if chunk is None:
+                    return
+                if chunk is _DONE:
+                    self.iterations.popleft()
+                    self.dispatched_iterations = it.index + 1
+                    self.idle.notify_all()
+                    continue
+                if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
+                    return
+                self._advance(it)
+                self.in_flight_bytes += chunk.nbytes
+                self.chunks_dispatched += 1
+                self.bytes_dispatched += chunk.nbytes
+                if self.in_flight_bytes > self.peak_in_flight_bytes:
+                    self.peak_in_flight_bytes = self.in_flight_bytes
+                self.cur_chunk, self.cur_step = chunk, 0
+            step = self.cur_step
+            if step and not self.stream_ordered and chunk.steps_done < step:
+                return
+            self._issue(chunk, step)
+            self.cur_step = step + 1
+            if self.cur_step == len(chunk.request.steps):
+                self.cur_chunk = None
+
+    def _peek(self, it: _Iteration):
+        plan = it.plan
+        if plan is not None:
+            order = plan.order
+            while it.plan_pos < len(order):
+                key, index = order[it.plan_pos]
+                req = it.by_key.get(key)
+                if req is not None and plan.layout.get(key) == len(req.chunks):
+                    return req.chunks[index]
+                if req is None and not it.flushed:
+                    return None               # head of line: wait for this request
+                it.plan_pos += 1              # not in this iteration, or not as planned
+        requests = it.requests
+        while it.req_pos < len(requests):
+            req = requests[it.req_pos]
+            if it.chunk_pos < len(req.chunks) and not (
+                    plan is not None and plan.layout.get(req.key) == len(req.chunks)):
+                return req.chunks[it.chunk_pos]
+            it.req_pos += 1
+            it.chunk_pos = 0
+        return _DONE if it.flushed else None
+
+    @staticmethod
+    def _advance(it: _Iteration) -> None:
+        if it.plan is not None and it.plan_pos < len(it.plan.order):
+            it.plan_pos += 1
+        else:
+            it.chunk_pos += 1
+
+    def _exchange_profile_and_plan(self, profile: List[RequestProfile]) -> Plan:
+        """Reduce the readiness profile with MAX over the group and build the plan.
+
+        Runs when the iteration reaches the head of the dispatch order, i.e. after every
+        step of the previous iterations was issued, so the exchange sits at the same place
+        in the collective sequence on every rank.
+        """
+        cost = self.busy_seconds / self.busy_bytes if self.busy_bytes else 0.0
+        values = torch.tensor([p.ready_s for p in profile] + [cost], dtype=torch.float64,
+                              device=self.device)
+        if self.cuda:
+            with torch.cuda.stream(self.launch_stream):
+                dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+                values = values.cpu()
+        else:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        values = values.tolist()
+        profile = [p._replace(ready_s=v) for p, v in zip(profile, values)]
+        plan = build_plan(profile, self.config.credit_bytes, values[-1])
+        if self.trace_dispatch:
+            self.dispatch_log.append(("plan", len(plan.order)))
+        return plan
+
+    def _issue(self, chunk: Chunk, step: int) -> None:
+        req = chunk.request
+        if self.trace_dispatch:
+            self.dispatch_log.append((req.iteration, req.key, chunk.index, step))
+        if step == 0:
+            chunk.t_dispatch_ns = time.time_ns()
+        nvtx = self.config.nvtx
+        if nvtx:
+            nvtx_range_push(f"commsched {req.steps[step]} {req.key}#{chunk.index}")
+        if self.cuda:
+            timing = self.observer is not None
+            with torch.cuda.stream(self.launch_stream):
+                if step == 0:
+                    self.launch_stream.wait_event(req.ready_event)
+                start = self._event(timing)
+                if start is not None:
+                    start.record()
+                work = issue_step(chunk, step)
+            with torch.cuda.stream(self.watch_stream):
+                work.wait()
+                if step == len(req.steps) - 1:
+                    finish_chunk(chunk)
+                end = self._event(True)
+                end.record()
+            self.pending.put((chunk, step, work, start, end))
+        else:
+            self.pending.put((chunk, step, issue_step(chunk, step), None, None))
+        if nvtx:
+            nvtx_range_pop()
+
+    def _event(self, enabled: bool):
+        if not enabled:
+            return None
+        try:
+            return self.events.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=self.observer is not None)
+
+    # ---- completion (completion thread) --------------------------------------------------
+    def _completion_loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            # Futures resolved here record their completion on this thread's current
+            # stream; the watch stream is where every collective's end was recorded.
+            torch.cuda.set_stream(self.watch_stream)
+        while True:
+            item = self.pending.get()
+            if item is None:
+                return
+            chunk, step, work, start, end = item
+            error = None
+            try:
+                if end is not None:
+                    end.synchronize()
+                else:
+                    work.wait()
+            except Exception as exc:  # the collective failed (peer gone, timeout, ...)
+                error = exc
+            self._complete(chunk, step, start, end, error)
+
+    def _complete(self, chunk: Chunk, step: int, start, end, error) -> None:
+        t_end = time.time_ns()
+        req = chunk.request
+        if start is not None:
+            t_start = t_end - int(start.elapsed_time(end) * 1e6)
+            self.events.append(start)
+        else:
+            t_start = chunk.t_dispatch_ns
+        if end is not None:
+            self.events.append(end)
+        last = step == len(req.steps) - 1
+        finished = False
+        with self.lock:
+            chunk.steps_done = step + 1
+            if error is not None and self.failure is None:
+                self.failure = error
+            if last:
+                if not self.cuda and error is None:
+                    finish_chunk(chunk)
+                chunk.staging = None      # kept alive until the device finished with it
+                self.in_flight_bytes -= chunk.nbytes
+                self.busy_seconds += (t_end - chunk.t_dispatch_ns) * 1e-9
+                self.busy_bytes += chunk.nbytes
+                req.remaining -= 1
+                finished = req.remaining == 0
+            if self.failure is None:
+                self._pump()
+            else:
+                self.idle.notify_all()
+        if self.observer is not None:
+            self.observer.on_chunk(ChunkRecord(
+                self.name, req.iteration, str(req.key), req.op, req.steps[step],
+                req.decompose, chunk.index, len(req.chunks), chunk.nbytes,
+                str(req.tensor.dtype).replace("torch.", ""), self.ranks, req.priority,
+                req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
+                "" if error is None else repr(error)))
+        if error is not None:
+            if not req.future.done():
+                req.future.set_exception(SchedulerError(
+                    f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of request "
+                    f"{req.key!r} ({chunk.nbytes} bytes, lane {self.name}, ranks "
+                    f"{list(self.ranks)}, iteration {req.iteration}) failed: {error}"))
+        elif finished:
+            req.future.set_result(req.tensor)
+
+    def drain(self, timeout: Optional[float]) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while (self.iterations or self.in_flight_bytes) and self.failure is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SchedulerError(f"lane {self.name}: drain timed out after {timeout}s")
+                self.idle.wait(left)
+            if self.failure is not None:
+                raise SchedulerError(f"lane {self.name} failed: {self.failure}")
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join(timeout=10)
+
+
+class Scheduler:
+    """Partitions requests into chunks and dispatches them under a credit window, in an
+    order identical on every rank (see the module docstring).
+
+    Example::
+        sched = commsched.Scheduler(commsched.Config(partition_bytes=1 << 20))
+        sched.submit(grad, key="w", average=True).wait()
+    """
+
+    def __init__(self, config: Optional[Config] = None, observer=None,
+                 trace_dispatch: bool = False):
+        self.config = config if config is not None else Config()
+        self.observer = observer
+        self.trace_dispatch = trace_dispatch
+        self._lanes: Dict[object, _Lane] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, tensor: torch.Tensor, *, key: Hashable, priority: int = 0,
+               op: str = "all_reduce", group=None, average: bool = False,
+               scale: Optional[float] = None, reduce_op=dist.ReduceOp.SUM,
+               decompose: Optional[str] = None) -> Request:
+        """Schedule a collective on the flat tensor ``tensor``, in place.
+
+        ``key`` names the request within an iteration (stable across iterations, the same
+        on every rank); ``priority`` orders it (lower = needed earlier by the next
+        forward). ``op``: ``all_reduce``; ``reduce_scatter`` (rank r's shard
+        ``tensor[r*S:(r+1)*S]`` receives the reduction of that shard); ``all_gather``
+        (every shard receives its owner's values). ``average`` divides by the group size
+        before the sum (DDP's semantics); ``scale`` multiplies before it. ``decompose``
+        overrides ``config.decompose`` for an all-reduce.
+        """
+        if self._closed:
+            raise SchedulerError("submit() on a closed Scheduler")
+        if op not in OPS:
+            raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"tensor: expected a flat contiguous tensor, got shape "
+                             f"{tuple(tensor.shape)} (contiguous={tensor.is_contiguous()})")
+        group = group if group is not None else dist.group.WORLD
+        lane = self._lane(group, tensor.device)
+        decompose = decompose if decompose is not None else self.config.decompose
+        if decompose not in ("none", "rs_ag"):
+            raise ValueError(f"decompose={decompose!r}: expected none or rs_ag")
+        if op != "all_reduce":
+            decompose = "none"
+            if tensor.numel() % lane.world_size:
+                raise ValueError(f"{op}: tensor of {tensor.numel()} elements does not divide "
+                                 f"into {lane.world_size} shards")
+        req = Request()
+        req.key, req.tensor, req.op, req.group = key, tensor, op, group
+        req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
+        req.reduce_op, req.decompose = reduce_op, decompose
+        req.steps = steps_for(op, decompose)
+        req.lane = lane
+        req.t_submit_ns = time.time_ns()
+        if average:
+            tensor.div_(lane.world_size)
+        if scale is not None:
+            tensor.mul_(scale)
+        req.ready_event = None
+        if lane.cuda:
+            req.ready_event = torch.cuda.Event()
+            req.ready_event.record()
+            req.future = torch.futures.Future(devices=[tensor.device])
+        else:
+            req.future = torch.futures.Future()
+        multiple = lane.world_size if req.steps[0] == "reduce_scatter" and op == "all_reduce" else 1
+        req.chunks = partition(req, self.config.partition_bytes, multiple)
+        req.remaining = len(req.chunks)
+        lane.add(req)
+        return req
+
+    def end_iteration(self, group=None, wait_dispatched: bool = False
+                      ) -> Optional[IterationRecord]:
+        """No more requests on ``group`` this iteration: what is left may be dispatched,
+        and the iteration's layout decides whether the next one gets a new plan.
+
+        ``wait_dispatched``: return only once every collective of the iteration has been
+        issued (waiting for credit as needed), so that a collective the caller issues on
+        the same group afterwards comes after them on every rank.
+        """
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        return None if lane is None else lane.end_iteration(wait_dispatched)
+
+    def drain(self, timeout: Optional[float] = None) -> None:
+        """End every lane's iteration and block until all its collectives completed."""
+        for lane in list(self._lanes.values()):
+            lane.end_iteration(False)
+            lane.drain(timeout)
+
+    def last_iteration(self, group=None) -> Optional[IterationRecord]:
+        """The record of ``group``'s most recently ended iteration."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        return None if lane is None else lane.last_iteration
+
+    def stats(self, group=None) -> Dict[str, int]:
+        """Counters of ``group``'s lane: iterations, chunks and bytes dispatched, and the
+        peak of bytes in flight (bounded by the credit window)."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if lane is None:
+            return {"iterations": 0, "chunks": 0, "bytes": 0, "peak_in_flight_bytes": 0}
+        with lane.lock:
+            return {"iterations": lane.iteration_count, "chunks": lane.chunks_dispatched,
+                    "bytes": lane.bytes_dispatched,
+                    "peak_in_flight_bytes": lane.peak_in_flight_bytes}
+
+    def dispatch_log(self, group=None) -> List[tuple]:
+        """(iteration, key, chunk, step) in dispatch order; only with trace_dispatch=True."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        return [] if lane is None else list(lane.dispatch_log)
+
+    def close(self) -> None:
+        """Stop the completion threads. Outstanding work is abandoned; drain() first."""
+        self._closed = True
+        for lane in self._lanes.values():
+            lane.close()
+
+    def _lane(self, group, device: torch.device) -> _Lane:
+        lane = self._lanes.get(group)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.get(group)
+                if lane is None:
+                    lane = _Lane(self, group, device, f"g{len(self._lanes)}")
+                    self._lanes[group] = lane
+        if lane.device != device:
+            raise ValueError(f"tensor on {device}, but earlier requests of lane {lane.name} "
+                             f"were on {lane.device}")
+        return lane

@@ -1,0 +1,47 @@
+"""commsched telemetry: what each collective did and what the NVLinks saw while it ran.
+
+Modules, in data-flow order::
+
+    recorder.py   Observer implementation; open_recorder(), step()
+    sampler.py    NVLink sampler thread (NVML counters, on a period and at boundaries)
+    nvml.py       NVML backend interface: pynvml backend, fake backend, topology
+    writer.py     writer thread: batches rows into the store
+    assembly.py   joins chunks, iterations and samples into per-iteration rows
+    store.py      SQLite schema, one file per rank; load_run() merges a run directory
+    metrics.py    bus bandwidth, interval unions, counter interpolation, outlier statistics
+    analysis.py   per-iteration table, summary and outlier attribution (used by report)
+    report.py     ``commsched report`` (text / JSON)      plot.py: ``--plot``
+    trace.py      ``commsched trace`` (Chrome / Perfetto trace JSON)
+    nvtx_ranges.py  NVTX push/pop used around dispatches
+    selfcheck.py  GPU check: NVLink DATA bytes vs the ring all-reduce payload
+    errors.py     TelemetryError (unreadable store), TelemetryWarning (telemetry disabled)
+
+Example::
+
+    rec = commsched.telemetry.open_recorder(config, rank=rank, world_size=world_size)
+    scheduler = commsched.Scheduler(config, observer=rec)
+"""
+
+from __future__ import annotations
+
+from .errors import TelemetryError, TelemetryWarning
+from .nvtx_ranges import nvtx_range_pop, nvtx_range_push
+from .recorder import Recorder, open_recorder, step
+from .store import RunData, load_run
+
+__all__ = [
+    "Recorder", "open_recorder", "step", "load_run", "RunData", "TelemetryError",
+    "TelemetryWarning", "nvtx_range_push", "nvtx_range_pop", "report_main", "trace_main",
+]
+
+
+def report_main(argv=None) -> int:
+    """``commsched report RUN_DIR ...`` (see :mod:`commsched.telemetry.report`)."""
+    from .report import main
+    return main(argv)
+
+
+def trace_main(argv=None) -> int:
+    """``commsched trace RUN_DIR -o trace.json`` (see :mod:`commsched.telemetry.trace`)."""
+    from .trace import main
+    return main(argv)

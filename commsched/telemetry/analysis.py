@@ -1,0 +1,356 @@
+"""Per-iteration analysis of a run: the table, the summary, and the blame for slow iterations.
+
+Definitions (also printed by ``commsched report --json`` under "definitions"):
+
+iteration
+    With ``commsched.step()`` markers: from one marker to the next (iteration 0 starts when
+    the recorder opened). Without markers: lane iteration k, timed from the flush of
+    iteration k-1 to the flush of k of the lane with the most iterations.
+comm
+    Time at least one chunk step of the iteration was on the device: the union of the
+    ``[t_start, t_end]`` intervals (chunks overlap under the credit window).
+exposed comm
+    Communication not hidden behind backward: from a lane's flush (its last gradient was
+    submitted, i.e. backward ended) to the completion of that lane iteration's last chunk,
+    the maximum over lanes. In commsched's overlap mode the next forward may run during that
+    time, so there it is an upper bound.
+compute
+    iteration time - exposed comm.
+overlap %
+    ``100 * (1 - exposed / comm)``: the share of the communication hidden behind compute.
+bus bandwidth
+    Sum over chunk steps of ``bytes * factor(op, n)`` divided by comm time, with
+    factor ``2(n-1)/n`` for all_reduce and ``(n-1)/n`` for reduce_scatter / all_gather.
+NVLink GB/s
+    NVLink DATA bytes of the iteration, divided by comm time. With markers: between the
+    samples requested at its two ``step()`` boundaries (the first samples after each);
+    without: between the samples enclosing its communication window. Either way this is
+    the link throughput achieved while communicating; utilization divides it by the sum of
+    the active links' speeds (per direction).
+outlier
+    iteration time > median + 3 * max(MAD, 1% of median) over the selected iterations.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .metrics import KIB, boundary_indices, bracket, median, outlier_threshold, union_ns
+from .store import RunData
+
+__all__ = ["DEFINITIONS", "RankData", "iteration_rows", "summarize", "find_outliers",
+           "analyze"]
+
+DEFINITIONS = {
+    "iteration": "between consecutive commsched.step() markers; without markers, between "
+                 "consecutive flushes of the lane with most iterations",
+    "comm_ms": "union of the iteration's chunk-step device intervals",
+    "exposed_comm_ms": "from a lane's flush (end of backward) to its last chunk completion; "
+                       "max over lanes (upper bound in overlap mode)",
+    "compute_ms": "iteration_ms - exposed_comm_ms",
+    "overlap_pct": "100 * (1 - exposed_comm_ms / comm_ms)",
+    "busbw_gbps": "sum(bytes * factor) / comm time; factor 2(n-1)/n all_reduce, (n-1)/n "
+                  "reduce_scatter and all_gather",
+    "nvlink_tx_gbps": "NVLink DATA TX bytes between the samples taken at the iteration's "
+                      "boundaries (without step markers: enclosing its comm) / comm time",
+    "outlier": "iteration_ms > median + 3 * max(MAD, 1% of median)",
+}
+
+# Attribution thresholds (heuristics; see find_outliers).
+BYTES_TOLERANCE = 0.05        # communicated bytes differing by more than this: the app changed
+LINK_SHARE_DROP = 0.5         # a link carrying < half its usual share of traffic: hardware
+
+
+@dataclass
+class RankData:
+    """One rank's rows, indexed for the analysis."""
+
+    rank: int
+    run: dict
+    steps: List[dict]
+    lane_iterations: List[dict]
+    chunks_by_lane_iter: Dict[Tuple[str, int], List[dict]]
+    sample_times: Dict[int, List[int]] = field(default_factory=dict)    # per link
+    sample_tx: Dict[int, List[float]] = field(default_factory=dict)     # KiB
+    sample_rx: Dict[int, List[float]] = field(default_factory=dict)
+    health: Dict[int, List[dict]] = field(default_factory=dict)          # per link, by time
+    health_times: Dict[int, List[int]] = field(default_factory=dict)
+    speed_gbps: Optional[float] = None     # sum of active link speeds
+
+    @classmethod
+    def build(cls, run: RunData, rank: int) -> "RankData":
+        info = next((r for r in run.rows("runs", rank)), {"rank": rank})
+        chunks: Dict[Tuple[str, int], List[dict]] = {}
+        for c in run.rows("comm_ops", rank):
+            chunks.setdefault((c["lane"], c["iteration"]), []).append(c)
+        data = cls(rank, info, sorted(run.rows("app_steps", rank), key=lambda s: s["step"]),
+                   sorted(run.rows("iterations", rank),
+                          key=lambda r: (r["lane"], r["iteration"])), chunks)
+        per_link: Dict[int, List[Tuple[int, Optional[int], Optional[int]]]] = {}
+        for s in run.rows("nvlink_metrics", rank):
+            per_link.setdefault(s["link"], []).append(
+                (s["t_ns"], s["data_tx_kib"], s["data_rx_kib"]))
+        for link, samples in per_link.items():
+            samples.sort(key=lambda x: x[0])
+            data.sample_times[link] = [t for t, _, _ in samples]
+            data.sample_tx[link] = [tx for _, tx, _ in samples]
+            data.sample_rx[link] = [rx for _, _, rx in samples]
+        for h in sorted(run.rows("nvlink_health", rank), key=lambda h: h["t_ns"]):
+            data.health.setdefault(h["link"], []).append(h)
+            data.health_times.setdefault(h["link"], []).append(h["t_ns"])
+        speeds = [t["speed_mbps"] for t in run.rows("intra_node_topo", rank)
+                  if t["state"] == 1 and t["speed_mbps"]]
+        data.speed_gbps = sum(speeds) / 1000.0 if speeds else None
+        return data
+
+    def link_bytes(self, link: int, t0: int, t1: int, at_boundaries: bool = False
+                   ) -> Tuple[Optional[int], Optional[int]]:
+        """NVLink DATA (tx, rx) bytes on ``link`` in [t0, t1]: between the samples enclosing
+        the window (:func:`metrics.bracket`), or with ``at_boundaries`` between the samples
+        requested at t0 and t1, i.e. the first ones at or after each
+        (:func:`metrics.boundary_indices`)."""
+        times = self.sample_times.get(link, [])
+        ij = boundary_indices(times, t0, t1) if at_boundaries else bracket(times, t0, t1)
+        if ij is None:
+            return None, None
+        i, j = ij
+
+        def delta(values):
+            a, b = values[i], values[j]
+            # None: not sampled; b < a: the counter was reset, the window is unknown.
+            return None if a is None or b is None or b < a else int((b - a) * KIB)
+        return delta(self.sample_tx[link]), delta(self.sample_rx[link])
+
+    def health_changes(self, t0: int, t1: int) -> List[str]:
+        """Link state, speed or error-counter changes between the health samples enclosing
+        [t0, t1] (health is sampled about once a second, so the blame is that coarse)."""
+        out = []
+        for link in sorted(self.health):
+            times, rows = self.health_times[link], self.health[link]
+            i = bisect.bisect_right(times, t0) - 1
+            j = bisect.bisect_left(times, t1)
+            if i < 0 or j >= len(times) or i >= j:
+                continue
+            b, a = rows[i], rows[j]
+            if b["state"] != a["state"]:
+                out.append(f"link {link}: state {b['state']} -> {a['state']}")
+            if b["speed_mbps"] and a["speed_mbps"] is not None \
+                    and a["speed_mbps"] < b["speed_mbps"]:
+                out.append(f"link {link}: speed {b['speed_mbps']} -> {a['speed_mbps']} MB/s")
+            for counter in ("crc_flit", "crc_data", "replay", "recovery"):
+                if b[counter] is not None and a[counter] is not None and a[counter] > b[counter]:
+                    out.append(f"link {link}: {counter} errors +{a[counter] - b[counter]}")
+        return out
+
+
+def _windows(data: RankData) -> List[Tuple[int, int, Optional[int], List[dict]]]:
+    """(iteration, begin_ns, end_ns or None, lane iterations) per application iteration."""
+    its = data.lane_iterations
+    if data.steps:
+        bounds = [data.run.get("start_ns") or min(
+            [s["t_ns"] for s in data.steps] + [i["t_first_submit_ns"] or 0 for i in its])]
+        bounds += [s["t_ns"] for s in data.steps]
+        by_flush = sorted(its, key=_flush_time)
+        flushes = [_flush_time(i) for i in by_flush]
+        out = []
+        for k in range(len(data.steps)):
+            t0, t1 = bounds[k], bounds[k + 1]
+            lo, hi = bisect.bisect_right(flushes, t0), bisect.bisect_right(flushes, t1)
+            out.append((data.steps[k]["step"], t0, t1, by_flush[lo:hi]))
+        return out
+    lanes: Dict[str, List[dict]] = {}
+    for i in its:
+        lanes.setdefault(i["lane"], []).append(i)
+    if not lanes:
+        return []
+    primary = sorted(lanes, key=lambda name: (-len(lanes[name]), name))[0]
+    flush = {i["iteration"]: _flush_time(i) for i in lanes[primary]}
+    by_index: Dict[int, List[dict]] = {}
+    for i in its:
+        by_index.setdefault(i["iteration"], []).append(i)
+    out = []
+    for k in sorted(by_index):
+        t1 = flush.get(k)
+        t0 = flush.get(k - 1)
+        out.append((k, t0 if t0 is not None else _first_time(by_index[k]),
+                    t1 if t0 is not None else None, by_index[k]))
+    return out
+
+
+def _flush_time(i: dict) -> int:
+    return i["t_flush_ns"] if i["t_flush_ns"] is not None else (i["t_first_submit_ns"] or 0)
+
+
+def _first_time(members: List[dict]) -> int:
+    return min((m["t_first_submit_ns"] or 0) for m in members)
+
+
+def iteration_rows(data: RankData) -> List[dict]:
+    """One row per application iteration of one rank (see the module's definitions)."""
+    rows = []
+    for k, t0, t1, members in _windows(data):
+        chunks = [c for m in members for c in data.chunks_by_lane_iter.get(
+            (m["lane"], m["iteration"]), [])]
+        intervals = [(c["t_start_ns"], c["t_end_ns"]) for c in chunks if c["ok"]]
+        comm_ns = union_ns(intervals)
+        exposed = [m["exposed_comm_ns"] for m in members if m["exposed_comm_ns"] is not None]
+        # No lane iteration flushed in this window: nothing communicated, nothing exposed.
+        exposed_ns = max(exposed) if exposed else (None if members else 0)
+        bus_bytes = sum(m["bus_bytes"] or 0.0 for m in members)
+        iter_ns = (t1 - t0) if t1 is not None else None
+        # NVLink window: the application iteration, or (without markers) its communication.
+        if data.steps:
+            w0, w1 = t0, t1
+        elif intervals:
+            w0, w1 = min(a for a, _ in intervals), max(b for _, b in intervals)
+        else:
+            w0 = w1 = None
+        marked = bool(data.steps)
+        tx, rx = data.link_bytes(-1, w0, w1, marked) if w0 is not None else (None, None)
+        links = {}
+        if w0 is not None:
+            for link in data.sample_times:
+                if link >= 0:
+                    links[link] = data.link_bytes(link, w0, w1, marked)[0]
+        tx_gbps = tx / comm_ns if tx is not None and comm_ns else None
+        rows.append({
+            "rank": data.rank, "iteration": k, "t_begin_ns": t0, "t_end_ns": t1,
+            "iteration_ms": _ms(iter_ns),
+            "compute_ms": (_ms(iter_ns - exposed_ns)
+                           if iter_ns is not None and exposed_ns is not None else None),
+            "comm_ms": _ms(comm_ns), "exposed_comm_ms": _ms(exposed_ns),
+            "overlap_pct": (max(0.0, min(100.0, 100.0 * (1 - exposed_ns / comm_ns)))
+                            if comm_ns and exposed_ns is not None else None),
+            "bytes": sum(m["nbytes"] or 0 for m in members),
+            "chunk_steps": len(chunks),
+            "lane_iterations": [f"{m['lane']}:{m['iteration']}" for m in members],
+            "complete": all(m["complete"] for m in members),
+            "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,
+            "nvlink_tx_bytes": tx, "nvlink_rx_bytes": rx,
+            "nvlink_tx_gbps": tx_gbps,
+            "nvlink_rx_gbps": rx / comm_ns if rx is not None and comm_ns else None,
+            "nvlink_util": tx_gbps / data.speed_gbps if tx_gbps and data.speed_gbps else None,
+            "link_tx_bytes": links,
+            "health": data.health_changes(w0, w1) if w0 is not None else [],
+        })
+    return rows
+
+
+def _ms(ns: Optional[float]) -> Optional[float]:
+    return None if ns is None else ns / 1e6
+
+
+def summarize(rows: List[dict]) -> dict:
+    """Medians (robust to the warm-up iteration) and totals of a rank's rows."""
+    def med(key):
+        return median([r[key] for r in rows if r[key] is not None])
+    return {
+        "iterations": len(rows),
+        "iteration_ms_median": med("iteration_ms"), "compute_ms_median": med("compute_ms"),
+        "comm_ms_median": med("comm_ms"), "exposed_comm_ms_median": med("exposed_comm_ms"),
+        "overlap_pct_median": med("overlap_pct"), "busbw_gbps_median": med("busbw_gbps"),
+        "nvlink_tx_gbps_median": med("nvlink_tx_gbps"),
+        "bytes_total": sum(r["bytes"] for r in rows),
+        "incomplete_iterations": sum(1 for r in rows if not r["complete"]),
+    }
+
+
+def find_outliers(rows: List[dict]) -> List[dict]:
+    """Slow iterations and their most likely cause.
+
+    Against the medians of the other iterations:
+
+    1. compute grew at least as much as exposed comm: **application** (compute is slower,
+       communication normal);
+    2. else, a link changed (state, speed, error counters) or carried much less than its
+       usual share of the traffic: **hardware**;
+    3. else, the iteration communicated a different number of bytes: **application**;
+    4. else: **communication library** (same bytes, slower collectives: lower bus bandwidth,
+       links less used than in other iterations).
+    """
+    timed = [r for r in rows if r["iteration_ms"] is not None]
+    threshold = outlier_threshold([r["iteration_ms"] for r in timed])
+    if threshold is None:
+        return []
+    slow = [r for r in timed if r["iteration_ms"] > threshold]
+    normal = [r for r in timed if r["iteration_ms"] <= threshold] or timed
+    base = {k: median([r[k] for r in normal if r[k] is not None])
+            for k in ("iteration_ms", "compute_ms", "exposed_comm_ms", "comm_ms", "bytes",
+                      "busbw_gbps", "nvlink_tx_gbps")}
+    base_shares = _median_shares(normal)
+    return [_attribute(r, threshold, base, base_shares) for r in slow]
+
+
+def _shares(row: dict) -> Dict[int, float]:
+    links = {l: b for l, b in row["link_tx_bytes"].items() if b is not None}
+    total = sum(links.values())
+    return {l: b / total for l, b in links.items()} if total > 0 else {}
+
+
+def _median_shares(rows: List[dict]) -> Dict[int, float]:
+    per_link: Dict[int, List[float]] = {}
+    for r in rows:
+        for l, s in _shares(r).items():
+            per_link.setdefault(l, []).append(s)
+    return {l: median(v) for l, v in per_link.items()}
+
+
+def _attribute(row: dict, threshold: float, base: dict, base_shares: Dict[int, float]) -> dict:
+    def delta(key):
+        if row[key] is None or base[key] is None:
+            return 0.0
+        return row[key] - base[key]
+
+    def fmt(key, unit):
+        return (f"{key} {row[key]:.3g} {unit} vs median {base[key]:.3g} {unit}"
+                if row[key] is not None and base[key] is not None else f"{key} unknown")
+
+    d_compute, d_exposed = delta("compute_ms"), delta("exposed_comm_ms")
+    evidence = [fmt("compute_ms", "ms"), fmt("exposed_comm_ms", "ms")]
+    hardware = list(row["health"])
+    for link, share in _shares(row).items():
+        usual = base_shares.get(link)
+        if usual and share < LINK_SHARE_DROP * usual:
+            hardware.append(f"link {link} carried {100 * share:.1f}% of the NVLink traffic "
+                            f"vs {100 * usual:.1f}% usually")
+    bytes_changed = (base["bytes"] and
+                     abs(row["bytes"] - base["bytes"]) > BYTES_TOLERANCE * base["bytes"])
+    if d_compute >= d_exposed:
+        cause = "application"
+        evidence.insert(0, f"compute slower by {d_compute:.3g} ms while exposed comm changed "
+                           f"by {d_exposed:+.3g} ms")
+    elif hardware:
+        cause = "hardware"
+        evidence = hardware + evidence + [fmt("nvlink_tx_gbps", "GB/s")]
+    elif bytes_changed:
+        cause = "application"
+        evidence.insert(0, f"communicated {row['bytes']} bytes vs {base['bytes']:.0f} usually")
+    else:
+        cause = "communication library"
+        evidence += [fmt("busbw_gbps", "GB/s"), fmt("nvlink_tx_gbps", "GB/s")]
+        if row["nvlink_tx_gbps"] is None:
+            evidence.append("no NVLink data: hardware cannot be ruled out")
+    return {"rank": row["rank"], "iteration": row["iteration"],
+            "iteration_ms": row["iteration_ms"], "threshold_ms": threshold,
+            "median_ms": base["iteration_ms"], "cause": cause, "evidence": evidence}
+
+
+def analyze(run: RunData, iterations: Optional[Tuple[Optional[int], Optional[int]]] = None,
+            ranks: Optional[List[int]] = None) -> dict:
+    """Rows, summaries and outliers of every rank (``iterations``: ``[a, b)`` filter)."""
+    out = {"rows": [], "summary": {}, "outliers": [], "runs": run.runs,
+           "definitions": DEFINITIONS}
+    for rank in run.ranks:
+        if ranks is not None and rank not in ranks:
+            continue
+        rows = iteration_rows(RankData.build(run, rank))
+        if iterations is not None:
+            a, b = iterations
+            rows = [r for r in rows if (a is None or r["iteration"] >= a)
+                    and (b is None or r["iteration"] < b)]
+        out["rows"] += rows
+        out["summary"][rank] = summarize(rows)
+        out["outliers"] += find_outliers(rows)
+    return out

@@ -1,0 +1,166 @@
+"""``commsched report RUN_DIR [--json] [--plot out.png] [--iterations A:B] [--rank R]``.
+
+Prints, per rank, one row per iteration (time, compute, comm, exposed comm, overlap, bytes,
+bus bandwidth, NVLink GB/s), a summary, and the outlier iterations with their likely cause
+(application, communication library, hardware). The definitions are in
+:mod:`commsched.telemetry.analysis`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Tuple
+
+from .analysis import DEFINITIONS, analyze
+from .errors import TelemetryError
+from .store import RunData, load_run
+
+__all__ = ["main", "report_main", "build_report", "report_from_run", "format_text",
+           "parse_range"]
+
+PROG = "commsched report"
+
+
+def parse_range(text: str) -> Tuple[Optional[int], Optional[int]]:
+    """``"A:B"`` -> iterations ``A <= i < B``; either side may be empty; ``"A"`` is ``A:A+1``."""
+    try:
+        if ":" not in text:
+            a = int(text)
+            return a, a + 1
+        a, b = text.split(":", 1)
+        lo = int(a) if a.strip() else None
+        hi = int(b) if b.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected A:B (iterations A <= i < B), A:, :B or A") from None
+    if lo is not None and hi is not None and hi <= lo:
+        raise argparse.ArgumentTypeError(f"{text!r}: empty range (B must be greater than A)")
+    return lo, hi
+
+
+def build_report(run_dir: str, iterations=None, ranks=None) -> dict:
+    """The report as a JSON-serialisable dict (what ``--json`` prints)."""
+    return report_from_run(load_run(run_dir), iterations, ranks)
+
+
+def report_from_run(run: RunData, iterations=None, ranks=None) -> dict:
+    result = analyze(run, iterations, ranks)
+    result["run_dir"] = run.run_dir
+    result["summary"] = {str(k): v for k, v in result["summary"].items()}
+    for r in result["rows"]:
+        r["link_tx_bytes"] = {str(k): v for k, v in r["link_tx_bytes"].items()}
+    result["runs"] = [{k: v for k, v in r.items() if k != "config_json"} | {
+        "config": _json_or_text(r.get("config_json"))} for r in result["runs"]]
+    return result
+
+
+def _json_or_text(text):
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return text
+
+
+def _fmt(value, spec: str = ".2f", width: int = 9) -> str:
+    if value is None:
+        return "-".rjust(width)
+    return format(value, spec).rjust(width)
+
+
+def format_text(report: dict) -> str:
+    lines: List[str] = [f"commsched report: {report['run_dir']}"]
+    for r in report["runs"]:
+        lines.append(
+            f"  rank {r['rank']}/{r['world_size']} on {r['host']}: torch {r['torch_version']}"
+            f", nccl {r['nccl_version'] or '-'}, driver {r['driver_version'] or '-'}, "
+            f"GPU {r['gpu_name'] or '-'}; NVML: {r['nvml_status']}"
+            + (f" ({r['nvml_detail']})" if r.get("nvml_detail") else ""))
+    header = (f"{'iter':>6} {'iter ms':>9} {'compute':>9} {'comm ms':>9} {'exposed':>9} "
+              f"{'overlap%':>9} {'MB':>9} {'busbw':>9} {'NVL tx':>9} {'NVL rx':>9} "
+              f"{'util%':>7}")
+    for rank, summary in report["summary"].items():
+        rows = [r for r in report["rows"] if str(r["rank"]) == rank]
+        lines += ["", f"rank {rank}: per iteration (GB/s for bandwidths)", header]
+        for r in rows:
+            lines.append(
+                f"{r['iteration']:>6} {_fmt(r['iteration_ms'])} {_fmt(r['compute_ms'])} "
+                f"{_fmt(r['comm_ms'])} {_fmt(r['exposed_comm_ms'])} "
+                f"{_fmt(r['overlap_pct'], '.1f')} {_fmt(r['bytes'] / 1e6)} "
+                f"{_fmt(r['busbw_gbps'])} {_fmt(r['nvlink_tx_gbps'])} "
+                f"{_fmt(r['nvlink_rx_gbps'])} "
+                f"{_fmt(None if r['nvlink_util'] is None else 100 * r['nvlink_util'], '.1f', 7)}"
+                + ("" if r["complete"] else "  (incomplete)"))
+        s = summary
+        lines.append(
+            f"summary: {s['iterations']} iterations; median iteration "
+            f"{_fmt(s['iteration_ms_median'], '.2f', 0)} ms, compute "
+            f"{_fmt(s['compute_ms_median'], '.2f', 0)} ms, comm "
+            f"{_fmt(s['comm_ms_median'], '.2f', 0)} ms, exposed "
+            f"{_fmt(s['exposed_comm_ms_median'], '.2f', 0)} ms, overlap "
+            f"{_fmt(s['overlap_pct_median'], '.1f', 0)}%, busbw "
+            f"{_fmt(s['busbw_gbps_median'], '.1f', 0)} GB/s, NVLink tx "
+            f"{_fmt(s['nvlink_tx_gbps_median'], '.1f', 0)} GB/s; "
+            f"{s['bytes_total'] / 1e6:.1f} MB communicated"
+            + (f"; {s['incomplete_iterations']} incomplete" if s["incomplete_iterations"]
+               else ""))
+    lines += ["", f"outliers ({DEFINITIONS['outlier']}): {len(report['outliers'])}"]
+    for o in report["outliers"]:
+        lines.append(f"  rank {o['rank']} iteration {o['iteration']}: {o['iteration_ms']:.2f} ms"
+                     f" (median {o['median_ms']:.2f}, threshold {o['threshold_ms']:.2f}) -> "
+                     f"{o['cause']}")
+        lines += [f"      {e}" for e in o["evidence"]]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Per-iteration communication report of a commsched telemetry "
+                               "run directory, with the likely cause of slow iterations.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the COMMSCHED_TELEMETRY_DIR of the run")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--plot", metavar="OUT.png",
+                   help="draw a compute-vs-comm timeline and NVLink GB/s per iteration")
+    p.add_argument("--iterations", metavar="A:B", type=parse_range,
+                   help="only iterations A <= i < B (A:, :B and a single A also work)")
+    p.add_argument("--rank", type=int, action="append",
+                   help="only this rank (repeatable; default all)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:           # --help, or a usage error already printed
+        return int(exc.code or 0)
+    try:
+        run = load_run(args.run_dir)
+        report = report_from_run(run, args.iterations, args.rank)
+        if not report["rows"] and (args.iterations is not None or args.rank):
+            raise TelemetryError(f"{args.run_dir}: no iterations match the --iterations / "
+                                 f"--rank selection")
+        if args.plot:
+            from .plot import plot_report
+            plot_report(run, report, args.plot)
+        if args.json:
+            json.dump(report, sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        else:
+            print(format_text(report))
+            if args.plot:
+                print(f"\nplot written to {args.plot}")
+    except TelemetryError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+report_main = main      # the name commsched.cli looks up
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The telemetry store: one SQLite file per rank in a run directory, and the reader that
+merges them.
+
+Tables (in the spirit of OSU INAM's):
+
+=================  ==========================================================================
+runs               one row: rank, world size, host, versions, config JSON, NVML status
+intra_node_topo    one row per NVLink of the rank's GPU: state, version, speed, remote end
+nvlink_metrics     cumulative NVLink counters (KiB) per sample per link; link -1 = sum
+nvlink_health      per-link state, speed and error counters, sampled about once a second
+comm_ops           one row per ChunkRecord, with algorithm and bus bandwidth
+iterations         one row per lane iteration: flush, communication window, exposed comm,
+                   bytes, and NVLink bytes/GB/s over the iteration's communication
+iteration_links    NVLink bytes and GB/s per lane iteration, link and direction
+app_steps          application iteration markers (``commsched.step()``)
+=================  ==========================================================================
+
+Each rank writes its own file (``rank{r}.sqlite``) so that processes never contend for
+SQLite's write lock; WAL mode lets ``commsched report`` read a run that is still going, and a
+committed transaction survives the writer being SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import sqlite3
+import tempfile
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .errors import TelemetryError
+
+__all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "TABLES", "create_store", "rank_path",
+           "RunData", "load_run", "json_dumps"]
+
+SCHEMA_NAME = "commsched-telemetry"
+SCHEMA_VERSION = 1
+
+TABLES: Dict[str, str] = {
+    "meta": "key TEXT PRIMARY KEY, value TEXT",
+    "runs": """rank INTEGER PRIMARY KEY, world_size INTEGER, local_rank INTEGER, host TEXT,
+        pid INTEGER, start_ns INTEGER, end_ns INTEGER, config_json TEXT,
+        python_version TEXT, torch_version TEXT, cuda_version TEXT, nccl_version TEXT,
+        commsched_version TEXT, driver_version TEXT, nvml_status TEXT, nvml_detail TEXT,
+        gpu_index INTEGER, gpu_name TEXT, gpu_uuid TEXT, gpu_pci_bus_id TEXT,
+        nvml_period_ms INTEGER, nvml_per_link INTEGER""",
+    "intra_node_topo": """rank INTEGER, node TEXT, gpu_index INTEGER, link INTEGER,
+        state INTEGER, version INTEGER, speed_mbps INTEGER, remote_type TEXT,
+        remote_pci_bus_id TEXT, peer_gpu_index INTEGER, PRIMARY KEY (rank, link)""",
+    "nvlink_metrics": """rank INTEGER, sample INTEGER, t_ns INTEGER, latency_ns INTEGER,
+        link INTEGER, data_tx_kib INTEGER, data_rx_kib INTEGER, raw_tx_kib INTEGER,
+        raw_rx_kib INTEGER""",
+    "nvlink_health": """rank INTEGER, t_ns INTEGER, link INTEGER, state INTEGER,
+        speed_mbps INTEGER, crc_flit INTEGER, crc_data INTEGER, replay INTEGER,
+        recovery INTEGER""",
+    "comm_ops": """rank INTEGER, lane TEXT, iteration INTEGER, request_key TEXT, op TEXT,
+        step TEXT, decompose TEXT, chunk_index INTEGER, num_chunks INTEGER, nbytes INTEGER,
+        dtype TEXT, group_ranks TEXT, group_size INTEGER, priority INTEGER,
+        t_submit_ns INTEGER, t_dispatch_ns INTEGER, t_start_ns INTEGER, t_end_ns INTEGER,
+        ok INTEGER, error TEXT, duration_ns INTEGER, algbw_gbps REAL, busbw_gbps REAL""",
+    "iterations": """rank INTEGER, lane TEXT, iteration INTEGER, t_first_submit_ns INTEGER,
+        t_flush_ns INTEGER, requests INTEGER, chunks INTEGER, nbytes INTEGER, planned INTEGER,
+        chunk_steps INTEGER, failed_steps INTEGER, t_first_dispatch_ns INTEGER,
+        t_first_start_ns INTEGER, t_last_end_ns INTEGER, comm_ns INTEGER,
+        exposed_comm_ns INTEGER, bus_bytes REAL, busbw_gbps REAL, complete INTEGER,
+        nvlink_tx_bytes INTEGER, nvlink_rx_bytes INTEGER, nvlink_tx_gbps REAL,
+        nvlink_rx_gbps REAL, nvlink_speed_gbps REAL,
+        PRIMARY KEY (rank, lane, iteration)""",
+    "iteration_links": """rank INTEGER, lane TEXT, iteration INTEGER, link INTEGER,
+        direction TEXT, bytes INTEGER, gbps REAL, speed_gbps REAL, utilization REAL""",
+    "app_steps": "rank INTEGER, step INTEGER, t_ns INTEGER, PRIMARY KEY (rank, step)",
+}
+
+INDEXES = (
+    "CREATE INDEX IF NOT EXISTS comm_ops_iter ON comm_ops (lane, iteration)",
+    "CREATE INDEX IF NOT EXISTS nvlink_metrics_t ON nvlink_metrics (link, t_ns)",
+)
+
+_RANK_FILE = re.compile(r"^rank(\d+)\.sqlite$")
+
+
+def rank_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank{rank}.sqlite")
+
+
+def create_store(path: str, *, max_bytes: Optional[int] = None) -> sqlite3.Connection:
+    """Create (or truncate) a rank's store and return a connection usable from another thread.
+
+    Raises OSError / sqlite3.Error when the file cannot be written; the recorder turns those
+    into one warning. A previous run's file of the same rank is replaced, not appended to:
+    mixing two runs in one file would make every iteration number ambiguous.
+    """
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        if os.path.exists(path + suffix):
+            os.remove(path + suffix)
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit survives a process crash (only power loss can undo
+        # it) and costs no fsync, so committing every iteration stays cheap.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        if max_bytes:
+            page = conn.execute("PRAGMA page_size").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count={max(16, int(max_bytes) // page)}")
+        conn.execute("BEGIN")
+        for name, columns in TABLES.items():
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {name} ({columns})")
+        for stmt in INDEXES:
+            conn.execute(stmt)
+        conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                         [("schema", SCHEMA_NAME), ("version", str(SCHEMA_VERSION))])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+@dataclass
+class RunData:
+    """Every rank of a run directory, as plain dicts (one per row), ordered by rank and time.
+
+    ``tables[name]`` lists the rows of table ``name`` from all ranks; each row has a ``rank``
+    key. Tools such as a simulator can use ``comm_ops`` directly: per chunk step it has
+    ``t_submit_ns`` (ready), ``t_dispatch_ns``, ``t_start_ns``, ``t_end_ns`` and ``nbytes``.
+    """
+
+    run_dir: str
+    files: List[str]
+    tables: Dict[str, List[dict]] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted(r["rank"] for r in self.tables.get("runs", []))
+
+    def rows(self, table: str, rank: Optional[int] = None) -> List[dict]:
+        rows = self.tables.get(table, [])
+        return rows if rank is None else [r for r in rows if r["rank"] == rank]
+
+    @property
+    def runs(self) -> List[dict]:
+        return self.rows("runs")
+
+    @property
+    def comm_ops(self) -> List[dict]:
+        return self.rows("comm_ops")
+
+    @property
+    def iterations(self) -> List[dict]:
+        return self.rows("iterations")
+
+
+_ORDER = {
+    "runs": "rank", "intra_node_topo": "link", "nvlink_metrics": "t_ns, link",
+    "nvlink_health": "t_ns, link", "comm_ops": "t_end_ns, t_start_ns",
+    "iterations": "lane, iteration", "iteration_links": "lane, iteration, link, direction",
+    "app_steps": "step",
+}
+
+
+def load_run(run_dir: str) -> RunData:
+    """Open every ``rank*.sqlite`` of ``run_dir`` read-only and merge their tables.
+
+    Raises :class:`TelemetryError` with a one-line reason when the directory holds no store, or
+    a file is not a SQLite database, or is a database of something else, or a newer schema.
+    """
+    if not os.path.isdir(run_dir):
+        raise TelemetryError(f"{run_dir}: not a directory")
+    files = sorted((p for p in glob.glob(os.path.join(glob.escape(run_dir), "rank*.sqlite"))
+                    if _RANK_FILE.match(os.path.basename(p))),
+                   key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
+    if not files:
+        raise TelemetryError(f"{run_dir}: no telemetry store (expected rank<N>.sqlite files; "
+                             f"is COMMSCHED_TELEMETRY_DIR pointing here?)")
+    run = RunData(run_dir, files, {name: [] for name in TABLES if name != "meta"})
+    for path in files:
+        for name, rows in _read_file(path).items():
+            run.tables[name].extend(rows)
+    return run
+
+
+def _read_file(path: str) -> Dict[str, List[dict]]:
+    tmp = None
+    try:
+        conn, tmp = _connect_readonly(path)
+    except sqlite3.Error as exc:
+        raise TelemetryError(f"{path}: cannot open: {exc}") from None
+    try:
+        _check_schema(conn, path)
+        out = {}
+        for name in TABLES:
+            if name == "meta":
+                continue
+            cur = conn.execute(f"SELECT * FROM {name} ORDER BY {_ORDER[name]}")
+            cols = [d[0] for d in cur.description]
+            out[name] = [dict(zip(cols, row)) for row in cur.fetchall()]
+        return out
+    except sqlite3.DatabaseError as exc:
+        raise TelemetryError(f"{path}: not a readable commsched telemetry store ({exc})") from None
+    finally:
+        conn.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _connect_readonly(path: str):
+    """A read-only connection, and the temporary directory to remove afterwards (or None).
+
+    A store left in WAL mode by a killed writer needs its -shm file; when that cannot be
+    created (read-only directory) the file and its WAL are read from a private copy instead,
+    so that committed iterations still in the WAL are not lost."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn, None
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        if "unable to open" not in str(exc) and "readonly" not in str(exc):
+            raise
+    tmp = tempfile.mkdtemp(prefix="commsched-read-")
+    copy = os.path.join(tmp, os.path.basename(path))
+    for suffix in ("", "-wal"):
+        if os.path.exists(path + suffix):
+            shutil.copyfile(path + suffix, copy + suffix)
+    return sqlite3.connect(copy), tmp
+
+
+def _check_schema(conn: sqlite3.Connection, path: str) -> None:
+    try:
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    except sqlite3.DatabaseError as exc:
+        if "no such table" in str(exc):
+            raise TelemetryError(f"{path}: a SQLite database, but not a commsched telemetry "
+                                 f"store (no meta table)") from None
+        raise TelemetryError(f"{path}: not a commsched telemetry store ({exc})") from None
+    if meta.get("schema") != SCHEMA_NAME:
+        raise TelemetryError(f"{path}: not a commsched telemetry store "
+                             f"(schema {meta.get('schema')!r})")
+    try:
+        version = int(meta.get("version", ""))
+    except ValueError:
+        raise TelemetryError(f"{path}: unreadable schema version {meta.get('version')!r}") from None
+    if version > SCHEMA_VERSION:
+        raise TelemetryError(f"{path}: written by a newer commsched (schema version {version}, "
+                             f"this reader knows {SCHEMA_VERSION}); upgrade commsched")
+
+
+def json_dumps(obj) -> str:
+    """JSON for config/args columns: dataclasses and other objects fall back to ``str``."""
+    return json.dumps(obj, default=str, sort_keys=True)

@@ -1,0 +1,260 @@
+"""The writer thread: the only code that touches a rank's SQLite file after it is created.
+
+Producers (completion thread, training thread, sampler thread) only ``put`` messages on a
+queue. The writer batches rows into transactions and commits
+
+* at once after an iteration record, a step marker or an iteration whose communication
+  finished (so a SIGKILLed process leaves every completed iteration in the store),
+* otherwise every ``commit_interval_s`` (0.1 s) or ``batch_rows`` rows, whichever first.
+
+On a write error (disk full, file removed, size cap reached) it warns once, tells the
+recorder to stop enqueueing and keeps draining the queue so producers never block.
+"""
+
+from __future__ import annotations
+
+import queue
+import sqlite3
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from ..observer import ChunkRecord, IterationRecord
+from .assembly import IterationAssembler, LinkRow
+from .errors import TelemetryWarning
+from .metrics import algbw_gbps, busbw_gbps
+from .sampler import CounterSample, HealthSample, NvmlStatus
+from .store import TABLES, json_dumps
+
+__all__ = ["StepMarker", "StoreWriter"]
+
+
+@dataclass(frozen=True)
+class StepMarker:
+    """``commsched.step()``: the application finished iteration ``step`` at ``t_ns``."""
+
+    step: int
+    t_ns: int
+
+
+@dataclass(frozen=True)
+class _Control:
+    kind: str                   # flush | close
+    done: threading.Event
+
+
+def _columns(table: str) -> List[str]:
+    spec = TABLES[table].split("PRIMARY KEY (")[0]     # the table constraint is not a column
+    return [part.split()[0] for part in spec.split(",") if part.strip()]
+
+
+def _insert_sql(table: str, verb: str = "INSERT") -> str:
+    cols = _columns(table)
+    return f"{verb} INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})"
+
+
+_ITER_COLS = _columns("iterations")
+_SQL = {name: _insert_sql(name) for name in TABLES if name != "meta"}
+_SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
+_SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
+
+
+class StoreWriter:
+    """Owns ``conn`` from :meth:`start` on. ``request_sample`` is called when an iteration's
+    communication has finished, so that the next NVLink sample encloses it closely."""
+
+    commit_interval_s = 0.1
+    batch_rows = 2000
+
+    def __init__(self, conn: sqlite3.Connection, rank: int, *, node: str = "",
+                 request_sample: Callable[[], object] = lambda: None,
+                 on_failure: Callable[[str], None] = lambda reason: None):
+        self.conn = conn
+        self.rank = rank
+        self.node = node
+        self.request_sample = request_sample
+        self.on_failure = on_failure
+        self.assembler = IterationAssembler(rank)
+        self.failed: Optional[str] = None
+        self._q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._in_tx = False
+        self._rows = 0
+        self._deadline = 0.0
+        self._sample_no = 0
+
+    # --- producer side -----------------------------------------------------------------------
+    def put(self, message: object) -> None:
+        self._q.put(message)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="commsched-telemetry",
+                                        daemon=True)
+        self._thread.start()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Block until everything put so far is committed (False on timeout)."""
+        return self._control("flush", timeout)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        ok = self._control("close", timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return ok
+
+    def _control(self, kind: str, timeout: float) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._q.put(_Control(kind, done))
+        return done.wait(timeout)
+
+    # --- writer thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            timeout = max(0.0, self._deadline - time.monotonic()) if self._in_tx else None
+            try:
+                msg = self._q.get(timeout=timeout)
+            except queue.Empty:
+                self._guarded(self._commit)
+                continue
+            if isinstance(msg, _Control):
+                if msg.kind == "close":
+                    self._guarded(self._close_store)
+                    try:
+                        self.conn.close()
+                    except sqlite3.Error:
+                        pass
+                    msg.done.set()
+                    return
+                self._guarded(self._commit)
+                msg.done.set()
+                continue
+            if self.failed is not None:
+                continue        # disabled: drain so that producers never block
+            urgent = self._guarded(lambda: self._handle(msg))
+            if urgent or self._rows >= self.batch_rows:
+                self._guarded(self._commit)
+
+    def _guarded(self, fn) -> bool:
+        if self.failed is not None:
+            return False
+        try:
+            return bool(fn())
+        except Exception as exc:  # disk full, file removed, ... or a bug: never reach training
+            self._fail(exc)
+            return False
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"commsched telemetry disabled for rank {self.rank}: writing the store "
+                      f"failed ({self.failed}); training continues without telemetry",
+                      TelemetryWarning, stacklevel=1)
+        self.on_failure(self.failed)
+        try:
+            if self._in_tx:
+                self.conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        self._in_tx = False
+
+    def _execute(self, table: str, rows: Sequence[Sequence[object]]) -> None:
+        if not rows:
+            return
+        if not self._in_tx:
+            self.conn.execute("BEGIN")
+            self._in_tx = True
+            self._deadline = time.monotonic() + self.commit_interval_s
+        self.conn.executemany(_SQL[table], rows)
+        self._rows += len(rows)
+
+    def _commit(self) -> None:
+        if self._in_tx:
+            self.conn.execute("COMMIT")
+            self._in_tx = False
+            self._rows = 0
+
+    def _handle(self, msg: object) -> bool:
+        """Store one message; True when it should be committed at once."""
+        if isinstance(msg, ChunkRecord):
+            self._execute("comm_ops", [self._comm_op(msg)])
+            return self._store(*self.assembler.add_chunk(msg))
+        if isinstance(msg, IterationRecord):
+            self._store(*self.assembler.add_iteration(msg))
+            return True
+        if isinstance(msg, StepMarker):
+            self._execute("app_steps", [(self.rank, msg.step, msg.t_ns)])
+            return True
+        if isinstance(msg, CounterSample):
+            self._sample_no += 1
+            self._execute("nvlink_metrics", [
+                (self.rank, self._sample_no, msg.t_ns, msg.latency_ns, link, *values)
+                for link, values in msg.links.items()])
+            self._store(*self.assembler.add_sample(msg))
+            return False
+        if isinstance(msg, HealthSample):
+            self._execute("nvlink_health", [(self.rank, msg.t_ns, link, *values)
+                                            for link, values in msg.links.items()])
+            return False
+        if isinstance(msg, NvmlStatus):
+            self._nvml_status(msg)
+            return True
+        raise TypeError(f"unexpected telemetry message {type(msg).__name__}")
+
+    def _store(self, rows: List[dict], links: List[LinkRow]) -> bool:
+        """Write iteration rows; returns True (commit now) when an iteration's communication
+        finished, and asks for the NVLink sample that will enclose it."""
+        self._execute("iterations", [[r[c] for c in _ITER_COLS] for r in rows])
+        self._execute("iteration_links", [
+            (self.rank, l.lane, l.iteration, l.link, l.direction, l.bytes, l.gbps,
+             l.speed_gbps, l.utilization) for l in links])
+        finished = any(r["comm_ns"] is not None and r["nvlink_tx_bytes"] is None
+                       for r in rows)
+        if finished:
+            self.request_sample()
+        return finished or bool(links)
+
+    def _comm_op(self, c: ChunkRecord) -> tuple:
+        n = len(c.group_ranks)
+        dur = c.t_end_ns - c.t_start_ns
+        return (self.rank, c.lane, c.iteration, c.request_key, c.op, c.step, c.decompose,
+                c.chunk_index, c.num_chunks, c.nbytes, c.dtype, json_dumps(list(c.group_ranks)),
+                n, c.priority, c.t_submit_ns, c.t_dispatch_ns, c.t_start_ns, c.t_end_ns,
+                int(c.ok), c.error, dur, algbw_gbps(c.nbytes, dur) if c.ok else None,
+                busbw_gbps(c.step, c.nbytes, dur, n) if c.ok else None)
+
+    def _nvml_status(self, s: NvmlStatus) -> None:
+        self.assembler.set_nvml(s.status == "ok", s.links)
+        gpu = s.gpu
+        self._execute_sql(
+            "UPDATE runs SET nvml_status = ?, nvml_detail = ?, "
+            "driver_version = COALESCE(?, driver_version), gpu_index = ?, gpu_name = ?, "
+            "gpu_uuid = ?, gpu_pci_bus_id = ? WHERE rank = ?",
+            (s.status, s.detail, s.driver, gpu.index if gpu else None,
+             gpu.name if gpu else None, gpu.uuid if gpu else None,
+             gpu.pci_bus_id if gpu else None, self.rank))
+        if s.links and gpu is not None:
+            self._execute("intra_node_topo", [
+                (self.rank, self.node, gpu.index, l.link, l.state, l.version, l.speed_mbps,
+                 l.remote_type, l.remote_pci_bus_id, l.peer_gpu_index) for l in s.links])
+
+    def _execute_sql(self, sql: str, args: tuple) -> None:
+        if not self._in_tx:
+            self.conn.execute("BEGIN")
+            self._in_tx = True
+            self._deadline = time.monotonic() + self.commit_interval_s
+        self.conn.execute(sql, args)
+
+    def _close_store(self) -> None:
+        self._store(*self.assembler.finish())
+        self._execute_sql("UPDATE runs SET end_ns = ? WHERE rank = ?",
+                          (time.time_ns(), self.rank))
+        self._commit()
+        try:
+            # A closed store should be one self-contained file, readable from a read-only
+            # copy of the run directory: leave WAL mode (this checkpoints and drops the WAL).
+            self.conn.execute("PRAGMA journal_mode=DELETE")
+        except sqlite3.Error:
+            pass        # a reader still has it open; the WAL stays, which is also readable

@@ -1,0 +1,749 @@
+"""commsched benchmark harness: iteration time of one model under every communication mode,
+in one launch per network regime (see /work/shared/BENCHMARKS.md for the protocol).
+
+    python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
+
+For each regime the harness spawns its own 2 workers (NCCL on GPUs when CUDA has a GPU per
+worker, else gloo on CPU, which is only meant for the smoke test), sets the regime's NCCL
+environment before the process group starts, and for each model runs every mode of
+``MODES`` in turn, rebuilding the model from the same seed for each (same weights, and
+peak memory per mode). A mode that is not implemented yet is reported "n/a" with the reason;
+a mode that fails (out of memory, an exception) is reported "error" and the run goes on.
+
+Output: a JSON document (``--out``) with the system, the environment, per-mode statistics
+and per-iteration times, and a markdown table printed last on stdout. The exit status is 0
+when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung.
+
+Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
+line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import benchlib  # first: puts the checkout on sys.path
+from benchlib import ModeUnavailable, close_quietly, fmt, summarize_ms
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import models
+
+WORLD_SIZE = 2
+SEED = 1234
+DDP_BUCKET_CAP_MB = 25  # DDP's default cap; used by the bucket estimate, never passed to DDP
+
+# ---------------------------------------------------------------------------------------
+# Regimes: NCCL environment applied in each worker before the process group starts.
+# ---------------------------------------------------------------------------------------
+
+# value None = unset, so that a variable left in the caller's shell cannot leak into a
+# regime that is defined by its absence.
+REGIMES: Dict[str, Dict[str, Optional[str]]] = {
+    "nvlink": {"NCCL_P2P_DISABLE": None, "NCCL_SHM_DISABLE": None},
+    "host": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": None},
+    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+# NVLink multicast (NVLS) stays off on the benchmark machines.
+ALWAYS_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def apply_regime_env(regime: str) -> None:
+    for name, value in {**REGIMES[regime], **ALWAYS_ENV}.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+# ---------------------------------------------------------------------------------------
+# Workloads: model, batch, loss and optimizer of each benchmarked model.
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmarked model with its per-rank batch.
+
+    ``items_per_rank`` counts tokens (GPT) or images (CNNs) one rank processes per step.
+    """
+
+    name: str
+    unit: str
+    items_per_rank: int
+    shape: Dict[str, Any]
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[torch.device, torch.Generator], Tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: str  # "adamw" | "sgd"
+
+
+def gpt_workload(quick: bool) -> Workload:
+    """GPT-like decoder, 24x1024, 16 heads, seq 512, micro-batch 4, vocab 50257 (~405M)."""
+    if quick:
+        config, micro_batch = models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
+                                               vocab=4096), 2
+    else:
+        config, micro_batch = models.GPTConfig(), 4
+
+    def make_batch(device, generator):
+        size = (micro_batch, config.seq)
+        tokens = torch.randint(0, config.vocab, size, device=device, generator=generator)
+        targets = torch.randint(0, config.vocab, size, device=device, generator=generator)
+        return tokens, targets
+
+    def loss(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Workload("gpt", "tokens", micro_batch * config.seq,
+                    {**dataclasses.asdict(config), "micro_batch": micro_batch},
+                    lambda: models.GPT(config), make_batch, loss, "adamw")
+
+
+def _image_workload(name: str, build: Callable[[], nn.Module], batch: int, resolution: int,
+                    classes: int, shape: Dict[str, Any]) -> Workload:
+    def make_batch(device, generator):
+        images = torch.randn(batch, 3, resolution, resolution, device=device,
+                             generator=generator)
+        labels = torch.randint(0, classes, (batch,), device=device, generator=generator)
+        return images, labels
+
+    return Workload(name, "images", batch,
+                    {**shape, "batch": batch, "resolution": resolution, "classes": classes},
+                    build, make_batch, F.cross_entropy, "sgd")
+
+
+def vgg16_workload(quick: bool) -> Workload:
+    """VGG-16, batch 32 per GPU at 224x224, 1000 classes (138M parameters)."""
+    if quick:
+        kw = dict(width=1 / 16, pool=1, classifier_hidden=64, num_classes=10)
+        return _image_workload("vgg16", lambda: models.vgg16(**kw), 4, 32, 10, kw)
+    return _image_workload("vgg16", models.vgg16, 32, 224, 1000, {"width": 1.0})
+
+
+def resnet50_workload(quick: bool) -> Workload:
+    """ResNet-50, batch 64 per GPU at 224x224, 1000 classes (25.6M parameters)."""
+    if quick:
+        kw = dict(width=1 / 8, num_classes=10)
+        return _image_workload("resnet50", lambda: models.resnet50(**kw), 4, 32, 10, kw)
+    return _image_workload("resnet50", models.resnet50, 64, 224, 1000, {"width": 1.0})
+
+
+WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
+    "gpt": gpt_workload, "vgg16": vgg16_workload, "resnet50": resnet50_workload}
+
+
+# ---------------------------------------------------------------------------------------
+# Bench: what a mode needs (device, seeded model, step, timing loop)
+# ---------------------------------------------------------------------------------------
+
+class Bench:
+    """Per-worker context handed to every mode: rank, device, workload, timing settings, and
+    a cache shared by the modes of one workload (DDP's bucket sizes)."""
+
+    def __init__(self, rank: int, backend: str, workload: Workload, warmup: int, iters: int):
+        self.rank = rank
+        self.backend = backend
+        self.cuda = backend == "nccl"
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.workload = workload
+        self.warmup = warmup
+        self.iters = iters
+        self.cache: Dict[str, Any] = {}
+
+    def build_model(self) -> nn.Module:
+        """The workload's model on this device, from the same seed every time."""
+        torch.manual_seed(SEED)
+        with self.device:
+            return self.workload.build()
+
+    def ddp(self, model: nn.Module) -> DDP:
+        """``model`` wrapped in DDP with its default settings: 25 MiB buckets after a 1 MiB
+        first one. (Passing bucket_cap_mb=25 explicitly would drop the small first bucket.)"""
+        return DDP(model, device_ids=[self.rank] if self.cuda else None)
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        """AdamW (fused on CUDA) for GPT, SGD with momentum for the CNNs."""
+        if self.workload.optimizer == "adamw":
+            extra = {"fused": True} if self.cuda else {}
+            return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **extra)
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+    def batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A fixed random batch, different on each rank."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(SEED + 1 + self.rank)
+        return self.workload.make_batch(self.device, generator)
+
+    def train_step(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> Callable[[], None]:
+        """One training step: forward (bf16 autocast on CUDA; fp32 parameters and gradients),
+        loss, backward, optimizer step, zero_grad."""
+        inputs, targets = self.batch()
+        loss_fn = self.workload.loss
+        device_type = self.device.type
+
+        def step() -> None:
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.cuda):
+                loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        benchlib.barrier(self.backend)
+
+    def time(self, step: Callable[[], None]) -> List[float]:
+        """Run ``warmup`` untimed then ``iters`` timed calls of ``step``; milliseconds per
+        call, each measured between device synchronizations."""
+        for _ in range(self.warmup):
+            step()
+        self.sync()
+        self.barrier()
+        times = []
+        for _ in range(self.iters):
+            self.sync()
+            start = time.perf_counter()
+            step()
+            self.sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+
+
+# ---------------------------------------------------------------------------------------
+# Modes
+# ---------------------------------------------------------------------------------------
+
+def run_compute_only(bench: Bench) -> Dict[str, Any]:
+    """The DDP step inside ``no_sync()``: no gradient communication (the compute floor)."""
+    model = bench.ddp(bench.build_model())
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+
+    def no_sync_step() -> None:
+        with model.no_sync():
+            step()
+
+    return {"iter_ms": bench.time(no_sync_step)}
+
+
+def run_ddp_default(bench: Bench) -> Dict[str, Any]:
+    """Plain DDP (bucket_cap_mb 25): what users run today. Records the bucket sizes DDP
+    settled on, for comm_only."""
+    model = bench.ddp(bench.build_model())
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+    times = bench.time(step)
+    buckets = ddp_bucket_bytes(model)
+    if buckets is not None:
+        bench.cache["buckets"] = buckets
+    return {"iter_ms": times}
+
+
+def run_comm_only(bench: Bench) -> Dict[str, Any]:
+    """The same bytes and collectives as DDP without compute: one async fp32 all-reduce per
+    gradient bucket, issued in bucket order, then all waited for (the comm floor)."""
+    bucket_bytes, source = bench.cache.get("buckets") or fallback_bucket_bytes(bench)
+    dtype = torch.float32  # the benchmark models keep fp32 parameters and gradients
+    size = torch.tensor([], dtype=dtype).element_size()
+    buffers = [torch.zeros(max(1, n // size), dtype=dtype, device=bench.device)
+               for n in bucket_bytes]
+
+    def step() -> None:
+        works = [dist.all_reduce(b, async_op=True) for b in buffers]
+        for work in works:
+            work.wait()
+
+    return {"iter_ms": bench.time(step), "buckets": len(bucket_bytes),
+            "bucket_bytes": bucket_bytes, "bucket_source": source,
+            "total_bytes": sum(bucket_bytes)}
+
+
+def run_ddp_commsched(bench: Bench) -> Dict[str, Any]:
+    """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset)."""
+    commsched = benchlib.import_commsched()
+    hooks = benchlib.import_commsched_hooks()
+    config = commsched.Config.from_env().replace(enabled=True)
+    model = bench.ddp(bench.build_model())
+    state = hooks.register(model, config=config)
+    try:
+        step = bench.train_step(model, bench.optimizer(model.parameters()))
+        times = bench.time(step)
+    finally:
+        close_quietly(state, getattr(state, "recorder", None))
+    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
+
+
+def run_commsched_dp(bench: Bench) -> Dict[str, Any]:
+    """commsched's own data-parallel mode (crossing the iteration barrier)."""
+    commsched = benchlib.import_commsched()
+    if not hasattr(commsched, "wrap"):
+        raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
+    config = commsched.Config.from_env().replace(enabled=True)
+    model = bench.build_model()
+    model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config)
+    try:
+        times = bench.time(bench.train_step(model, optimizer))
+    finally:
+        close_quietly(model, optimizer)
+    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
+
+
+def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
+    """Megatron-core DDP with overlap_grad_reduce (+ distributed optimizer), stock or with
+    the commsched patches. Not wired in yet: reported as n/a."""
+    def run(bench: Bench) -> Dict[str, Any]:
+        if bench.workload.name != "gpt":
+            raise ModeUnavailable("Megatron modes run the GPT model only")
+        raise ModeUnavailable("Megatron stock/patched runs are not wired into this harness "
+                              "yet (need Megatron-LM and commsched.megatron_patches)")
+    return run
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A row of the results: ``run`` measures it; ``run`` None marks the derived bound."""
+
+    name: str
+    label: str
+    run: Optional[Callable[[Bench], Dict[str, Any]]]
+
+
+# Run order = table order. ddp_default runs before comm_only, which reuses the bucket sizes
+# that DDP settled on.
+MODES: List[Mode] = [
+    Mode("compute_only", "1 compute only (no_sync)", run_compute_only),
+    Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
+    Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
+    Mode("bound", "3 bound = max(1, 2)", None),
+    Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
+    Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
+    Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
+    Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
+]
+MODE_NAMES = [m.name for m in MODES]
+
+
+def ddp_bucket_bytes(model: DDP) -> Optional[Tuple[List[int], str]]:
+    """Byte sizes of DDP's gradient buckets in reduction order (rebuilt after the first
+    iteration when available), from DDP's logging data."""
+    try:
+        data = model._get_ddp_logging_data()
+    except Exception:  # noqa: BLE001 - private API; fall back to the estimate
+        return None
+    for key, source in (("rebuilt_bucket_sizes", "DDP rebuilt buckets"),
+                        ("bucket_sizes", "DDP initial buckets")):
+        text = data.get(key)
+        if isinstance(text, str) and text.strip():
+            return [int(s) for s in text.split(",")], source
+    return None
+
+
+def fallback_bucket_bytes(bench: Bench) -> Tuple[List[int], str]:
+    """DDP's bucketing re-done from parameter sizes: parameters in reverse order, a bucket
+    closed once it reaches its cap (1 MiB for the first, then 25 MiB)."""
+    with torch.device("meta"):
+        model = bench.workload.build()
+    sizes = [p.numel() * p.element_size() for p in model.parameters()][::-1]
+    return assign_buckets(sizes, dist._DEFAULT_FIRST_BUCKET_BYTES,
+                          DDP_BUCKET_CAP_MB << 20), "estimate: DDP bucketing redone from parameter sizes"
+
+
+def assign_buckets(sizes: List[int], first_cap: int, cap: int) -> List[int]:
+    """Bucket byte totals when tensors of ``sizes`` fill buckets in order, a bucket closing
+    as soon as it holds at least its cap (tensors are never split)."""
+    buckets, current, limit = [], 0, first_cap
+    for size in sizes:
+        current += size
+        if current >= limit:
+            buckets.append(current)
+            current, limit = 0, cap
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------
+# Running the modes of a workload (inside each worker)
+# ---------------------------------------------------------------------------------------
+
+RESULT_KEYS = ("median_ms", "mean_ms", "p10_ms", "p90_ms", "min_ms", "max_ms")
+
+
+def empty_result(mode: Mode, status: str, reason: Optional[str]) -> Dict[str, Any]:
+    """A mode result with every standard key; numbers are None unless status is "ok"."""
+    result: Dict[str, Any] = {"name": mode.name, "label": mode.label, "status": status,
+                              "reason": reason}
+    result.update({k: None for k in RESULT_KEYS})
+    result.update({"iter_ms": [], "peak_mem_bytes": None, "peak_mem_bytes_max_rank": None,
+                   "throughput": None, "throughput_unit": None, "ratio_to_bound": None})
+    return result
+
+
+def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
+    """Run one mode on this rank; failures become an "error" result. The ranks then agree
+    on the outcome, so that a mode failed on either rank is reported failed."""
+    gc.collect()
+    if bench.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    failed = 0
+    try:
+        measured = mode.run(bench)
+        result = empty_result(mode, "ok", None)
+        result.update(summarize_ms(measured["iter_ms"]))
+        result.update(measured)
+    except ModeUnavailable as exc:
+        result = empty_result(mode, "n/a", str(exc))
+    except Exception as exc:  # noqa: BLE001 - OOM or a bug in a mode: report it, go on
+        failed = 1
+        text = traceback.format_exc()
+        print(f"[bench] rank {bench.rank} {mode.name} failed:\n{text}", file=sys.stderr,
+              flush=True)
+        result = empty_result(mode, "error", f"rank {bench.rank}: {type(exc).__name__}: "
+                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+        result["traceback"] = text[-4000:]
+        del exc
+    gc.collect()
+    peak = torch.cuda.max_memory_allocated(bench.device) if bench.cuda else 0
+    if bench.cuda:
+        torch.cuda.empty_cache()
+    # One collective: did any rank fail, and the largest peak over ranks.
+    flags = torch.tensor([failed, peak], dtype=torch.int64, device=bench.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0].item() and not failed:
+        result = empty_result(mode, "error", "failed on another rank (see its stderr)")
+    if bench.cuda and result["status"] == "ok":
+        result["peak_mem_bytes"] = peak
+        result["peak_mem_bytes_max_rank"] = int(flags[1].item())
+    if result["status"] == "ok" and result["median_ms"] and mode.name != "comm_only":
+        result["throughput"] = (bench.workload.items_per_rank * WORLD_SIZE
+                                / (result["median_ms"] / 1e3))
+        result["throughput_unit"] = f"{bench.workload.unit}/s"
+    return result
+
+
+def finish_run(run: Dict[str, Any]) -> Dict[str, Any]:
+    """Fill in missing modes as errors, derive the bound (max of compute only and comm only)
+    and every mode's ratio to it, and put the modes in table order. Idempotent."""
+    modes = run.setdefault("modes", {})
+    for mode in MODES:
+        if mode.name not in modes and mode.run is not None:
+            modes[mode.name] = empty_result(
+                mode, "error", run.get("failure") or "not run (worker ended early)")
+    compute, comm = modes["compute_only"], modes["comm_only"]
+    bound_mode = next(m for m in MODES if m.run is None)
+    if compute["status"] == "ok" and comm["status"] == "ok":
+        bound = empty_result(bound_mode, "ok", None)
+        limiting = compute if compute["median_ms"] >= comm["median_ms"] else comm
+        bound["median_ms"] = limiting["median_ms"]
+        bound["limited_by"] = limiting["name"]
+        bound["throughput"] = (run["items_per_step"] / (bound["median_ms"] / 1e3))
+        bound["throughput_unit"] = f"{run['unit']}/s"
+    else:
+        bound = empty_result(bound_mode, "n/a", "needs compute_only and comm_only")
+    modes["bound"] = bound
+    for result in modes.values():
+        if result["status"] == "ok" and bound["status"] == "ok":
+            result["ratio_to_bound"] = result["median_ms"] / bound["median_ms"]
+    run["modes"] = {name: modes[name] for name in MODE_NAMES}
+    return run
+
+
+def progress_line(regime: str, model: str, result: Dict[str, Any]) -> str:
+    head = f"[bench] {regime} {model} {result['name']}:"
+    if result["status"] != "ok":
+        return f"{head} {result['status']}: {result['reason']}"
+    text = (f"{head} {result['median_ms']:.2f} ms/iter median")
+    if result.get("p10_ms") is not None:
+        text += f" (p10 {result['p10_ms']:.2f}, p90 {result['p90_ms']:.2f})"
+    if result.get("throughput"):
+        text += f", {result['throughput']:.0f} {result['throughput_unit']}"
+    if result.get("peak_mem_bytes"):
+        text += f", peak {result['peak_mem_bytes'] / 2**30:.2f} GiB"
+    return text
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the parent tells the workers of one launch (picklable)."""
+
+    regime: str
+    models: Tuple[str, ...]
+    modes: Tuple[str, ...]
+    quick: bool
+    warmup: int
+    iters: int
+    port: int
+    backend: str
+    collective_timeout_s: float
+    result_path: str
+
+
+def worker(rank: int, spec: LaunchSpec) -> None:
+    """Entry point of each spawned worker: one process group, every model and mode."""
+    apply_regime_env(spec.regime)
+    if spec.backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD_SIZE))
+    benchlib.init_process_group(rank, WORLD_SIZE, spec.port, spec.backend,
+                                spec.collective_timeout_s)
+    doc: Dict[str, Any] = {
+        "regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+        "device": "cuda" if spec.backend == "nccl" else "cpu",
+        "env": benchlib.relevant_env(), "system": benchlib.system_info() if rank == 0 else {},
+        "runs": [],
+    }
+    try:
+        for model_name in spec.models:
+            workload = WORKLOADS[model_name](spec.quick)
+            bench = Bench(rank, spec.backend, workload, spec.warmup, spec.iters)
+            if bench.cuda:
+                torch.backends.cudnn.benchmark = workload.unit == "images"
+            with torch.device("meta"):
+                params = models.count_parameters(workload.build())
+            run = {"regime": spec.regime, "model": model_name, "workload": workload.shape,
+                   "params": params, "unit": workload.unit,
+                   "items_per_step": workload.items_per_rank * WORLD_SIZE,
+                   "autocast": "bf16" if bench.cuda else "none (fp32 on CPU)",
+                   "optimizer": workload.optimizer, "modes": {}}
+            doc["runs"].append(run)
+            if rank == 0:
+                print(f"[bench] {spec.regime} {model_name}: {params / 1e6:.1f}M parameters, "
+                      f"{run['items_per_step']} {workload.unit}/step, backend "
+                      f"{spec.backend}", flush=True)
+            for mode in MODES:
+                if mode.run is None:
+                    continue
+                if mode.name not in spec.modes:
+                    result = empty_result(mode, "n/a", "not selected (--modes)")
+                else:
+                    result = run_mode(bench, mode)
+                run["modes"][mode.name] = result
+                if rank == 0:
+                    print(progress_line(spec.regime, model_name, result), flush=True)
+                    benchlib.write_json(Path(spec.result_path), doc)
+            finish_run(run)
+            if rank == 0:
+                print(progress_line(spec.regime, model_name, run["modes"]["bound"]),
+                      flush=True)
+                benchlib.write_json(Path(spec.result_path), doc)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# Parent: launches, merging, table
+# ---------------------------------------------------------------------------------------
+
+def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
+    """Spawn the workers of one regime and return their document, completed with errors
+    for whatever a crashed or hung launch did not measure."""
+    print(f"[bench] regime {spec.regime}: spawning {WORLD_SIZE} workers ({spec.backend}), "
+          f"models {', '.join(spec.models)}", flush=True)
+    outcome = benchlib.launch(worker, (spec,), WORLD_SIZE, timeout_s)
+    path = Path(spec.result_path)
+    doc = json.loads(path.read_text()) if path.exists() else {
+        "regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+        "env": {}, "system": {}, "runs": []}
+    doc["status"] = "ok" if outcome.ok else "error"
+    doc["error"] = outcome.error
+    doc["wall_s"] = round(outcome.wall_s, 1)
+    done = {run["model"] for run in doc["runs"]}
+    for model_name in spec.models:
+        if model_name not in done:
+            workload = WORKLOADS[model_name](spec.quick)
+            doc["runs"].append({"regime": spec.regime, "model": model_name,
+                                "workload": workload.shape, "params": None,
+                                "unit": workload.unit,
+                                "items_per_step": workload.items_per_rank * WORLD_SIZE,
+                                "modes": {}})
+    for run in doc["runs"]:
+        if not outcome.ok and any(m.run and m.name not in run["modes"] for m in MODES):
+            run["failure"] = f"not run: {outcome.error}"
+        finish_run(run)
+    return doc
+
+
+def results_table(document: Dict[str, Any]) -> str:
+    """The markdown table of every run and mode."""
+    headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "x bound",
+               "throughput", "peak GiB", "note"]
+    rows = []
+    for launch in document["launches"]:
+        for run in launch["runs"]:
+            for result in run["modes"].values():
+                rows.append([run["regime"], run["model"], result["label"],
+                             fmt(result["median_ms"], 2), _spread(result),
+                             fmt(result["ratio_to_bound"], 2), _throughput(result),
+                             None if not result["peak_mem_bytes"]
+                             else fmt(result["peak_mem_bytes"] / 2**30, 2),
+                             _note(result)])
+    return benchlib.markdown_table(headers, rows)
+
+
+def _spread(result: Dict[str, Any]) -> Optional[str]:
+    if result["p10_ms"] is None:
+        return None
+    return f"{result['p10_ms']:.2f}-{result['p90_ms']:.2f}"
+
+
+def _throughput(result: Dict[str, Any]) -> Optional[str]:
+    if not result["throughput"]:
+        return None
+    unit = result["throughput_unit"].replace("tokens", "tok").replace("images", "img")
+    return f"{result['throughput']:,.0f} {unit}"
+
+
+def _note(result: Dict[str, Any]) -> Optional[str]:
+    if result["status"] != "ok":
+        reason = result["reason"] or ""
+        return f"{result['status']}: {reason[:100]}"
+    if result["name"] == "comm_only":
+        mib = result["total_bytes"] / 2**20
+        return (f"{result['buckets']} buckets, {mib:.{0 if mib >= 10 else 2}f} MiB "
+                f"({result['bucket_source']})")
+    if result["name"] == "bound":
+        return f"limited by {result['limited_by']}"
+    config = result.get("commsched_config")
+    if config:
+        return (f"partition {config['partition_bytes'] >> 10} KiB, credit "
+                f"{config['credit_bytes'] >> 10} KiB, {config['policy']}, {config['decompose']}")
+    return None
+
+
+def headline(document: Dict[str, Any]) -> str:
+    system = document.get("system") or {}
+    settings = document["settings"]
+    if settings["backend"] == "nccl":
+        card = (f"{settings['world_size']}x {system.get('gpu_name')}, driver "
+                f"{system.get('driver')}, CUDA {system.get('cuda')}, NCCL {system.get('nccl')}")
+    else:
+        card = f"CPU ({system.get('cpu_count')} cores), gloo - smoke run, not a benchmark"
+    return (f"commsched benchmark: {card}, torch {system.get('torch')}; warmup "
+            f"{settings['warmup']}, {settings['iters']} timed iterations"
+            f"{', quick models' if settings['quick'] else ''}")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt",
+                        help=f"{'|'.join(WORKLOADS)}|all, or a comma-separated list")
+    parser.add_argument("--regime", default="nvlink", choices=[*REGIMES, "all"])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models, 2 warm-up and 3 timed iterations (smoke test)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed iterations per mode (default 10; 2 with --quick)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations per mode (default 30; 3 with --quick)")
+    parser.add_argument("--modes", default="all",
+                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'bound')}")
+    parser.add_argument("--out", default="bench_results.json", help="JSON output path")
+    parser.add_argument("--cpu", action="store_true", help="force gloo on CPU")
+    parser.add_argument("--timeout", type=float, default=560.0,
+                        help="seconds for the whole command; a launch still running when "
+                             "it runs out is terminated and reported (default 560)")
+    parser.add_argument("--collective-timeout", type=float, default=180.0,
+                        help="process-group timeout in seconds (default 180)")
+    args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 10)
+    args.iters = args.iters if args.iters is not None else (3 if args.quick else 30)
+    if args.warmup < 0 or args.iters < 1:
+        parser.error("--warmup must be >= 0 and --iters >= 1")
+    args.models = tuple(WORKLOADS) if args.model == "all" else tuple(
+        m.strip() for m in args.model.split(",") if m.strip())
+    if not args.models or set(args.models) - set(WORKLOADS):
+        parser.error(f"--model {args.model!r}: choose from {', '.join(WORKLOADS)}, all")
+    measured = [n for n in MODE_NAMES if n != "bound"]
+    args.modes = measured if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
+    unknown = set(args.modes) - set(measured)
+    if unknown:
+        parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {measured}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    models_ = args.models
+    regimes = tuple(REGIMES) if args.regime == "all" else (args.regime,)
+    backend = benchlib.choose_backend(args.cpu, WORLD_SIZE)
+    if backend == "gloo":
+        print("[bench] fewer than 2 GPUs (or --cpu): gloo on CPU; numbers are not a "
+              "benchmark", flush=True)
+    document: Dict[str, Any] = {
+        "schema": "commsched.bench.harness/1",
+        "created_utc": benchlib.utc_now(),
+        "command": [sys.executable, *sys.argv],
+        "settings": {"models": list(models_), "regimes": list(regimes),
+                     "modes": list(args.modes), "quick": args.quick, "warmup": args.warmup,
+                     "iters": args.iters, "world_size": WORLD_SIZE, "backend": backend,
+                     "ddp_bucket_cap_mb": DDP_BUCKET_CAP_MB, "seed": SEED},
+        "parent_env": benchlib.relevant_env(),
+        "system": {},
+        "launches": [],
+    }
+    deadline = time.monotonic() + args.timeout
+    with tempfile.TemporaryDirectory(prefix="commsched-bench-") as tmp:
+        for regime in regimes:
+            spec = LaunchSpec(regime, models_, tuple(args.modes), args.quick, args.warmup,
+                              args.iters, benchlib.free_port(), backend,
+                              args.collective_timeout, str(Path(tmp) / f"{regime}.json"))
+            remaining = deadline - time.monotonic()
+            if remaining < 20:
+                launch_doc = run_launch_skipped(spec, "time budget (--timeout) used up")
+            else:
+                launch_doc = run_launch(spec, remaining)
+            document["launches"].append(launch_doc)
+            if launch_doc.get("system") and not document["system"]:
+                document["system"] = launch_doc["system"]
+    if not document["system"]:
+        document["system"] = benchlib.system_info()
+    benchlib.write_json(Path(args.out), document)
+    failures = [f"{run['regime']}/{run['model']}/{r['name']}"
+                for launch in document["launches"] for run in launch["runs"]
+                for r in run["modes"].values() if r["status"] == "error"]
+    print(f"[bench] wrote {args.out}" + (f"; failed: {', '.join(failures)}" if failures
+                                         else ""), flush=True)
+    print("", flush=True)
+    print(headline(document), flush=True)
+    print("", flush=True)
+    print(results_table(document), flush=True)
+    ok = not failures and all(launch["status"] == "ok" for launch in document["launches"])
+    return 0 if ok else 1
+
+
+def run_launch_skipped(spec: LaunchSpec, reason: str) -> Dict[str, Any]:
+    """The document of a launch that was not started."""
+    doc = {"regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+           "env": {}, "system": {}, "runs": [], "status": "error", "error": reason,
+           "wall_s": 0.0}
+    for model_name in spec.models:
+        workload = WORKLOADS[model_name](spec.quick)
+        doc["runs"].append(finish_run({
+            "regime": spec.regime, "model": model_name, "workload": workload.shape,
+            "params": None, "unit": workload.unit,
+            "items_per_step": workload.items_per_rank * WORLD_SIZE,
+            "failure": f"not run: {reason}", "modes": {}}))
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

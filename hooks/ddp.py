@@ -1,0 +1,110 @@
+"""The commsched DDP communication hook.
+
+DDP calls the hook once per gradient bucket, strictly in bucket-index order on every rank,
+and waits for every returned future at the end of backward. The hook submits the bucket's
+flat buffer to the scheduler (key = bucket index, priority = the position in forward order
+of the bucket's earliest parameter) and returns the request's future, which resolves once
+all the bucket's chunks have completed on the device. The last bucket ends the scheduler
+iteration, so what the plan still holds back may go; the hook returns from it once every
+chunk was issued.
+
+Averaging is DDP's: the bucket is divided by the group size, then summed.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from commsched.config import Config
+from commsched.scheduler import Scheduler
+
+__all__ = ["CommschedState", "commsched_hook", "register"]
+
+
+class CommschedState:
+    """State of the commsched DDP hook: the scheduler, the process group, and the forward
+    order of the model's parameters (for bucket priorities).
+
+    Example::
+        state = CommschedState(ddp_model, Config(partition_bytes=1 << 20))
+        ddp_model.register_comm_hook(state, commsched_hook)
+    """
+
+    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder")
+
+    def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
+                 group=None, scheduler: Optional[Scheduler] = None, observer=None):
+        config = config if config is not None else Config.from_env()
+        self.recorder = None
+        if observer is None and scheduler is None and config.telemetry_dir:
+            observer = self.recorder = _open_recorder(config, ddp_model)
+        self.scheduler = scheduler if scheduler is not None else Scheduler(config, observer)
+        self.group = group if group is not None else getattr(ddp_model, "process_group", None)
+        module = getattr(ddp_model, "module", ddp_model)
+        # parameters() is registration order, which for the models DDP sees is forward
+        # order closely enough: the first layer's parameters come first.
+        self.param_position: Dict[int, int] = {
+            id(p): i for i, p in enumerate(module.parameters())}
+        self.bucket_priority: Dict[Tuple[int, int], int] = {}
+
+    def priority(self, bucket: dist.GradBucket) -> int:
+        """Forward position of the bucket's earliest parameter (lower goes first)."""
+        key = (bucket.index(), bucket.buffer().numel())
+        prio = self.bucket_priority.get(key)
+        if prio is None:
+            prio = min((self.param_position.get(id(p), 0) for p in bucket.parameters()),
+                       default=0)
+            self.bucket_priority[key] = prio
+        return prio
+
+
+# No `from __future__ import annotations` in this module: DDP checks the hook's annotations
+# against the real dist.GradBucket / torch.futures.Future objects.
+def commsched_hook(state: CommschedState,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over the group through the commsched scheduler: partitioned,
+    prioritised, credit-bounded, decomposed as the state's config says.
+
+    Example::
+        state = commsched.hooks.CommschedState(ddp_model)
+        ddp_model.register_comm_hook(state, commsched.hooks.commsched_hook)
+    """
+    scheduler = state.scheduler
+    request = scheduler.submit(bucket.buffer(), key=bucket.index(),
+                               priority=state.priority(bucket), group=state.group,
+                               average=True)
+    if bucket.is_last():
+        # DDP issues collectives of its own on this group right after the last bucket
+        # (the unused-parameter map with find_unused_parameters): ours must all have been
+        # issued before, or the ranks' collective sequences could interleave differently.
+        scheduler.end_iteration(state.group, wait_dispatched=True)
+    return request.future
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
+             config: Optional[Config] = None, **state_kwargs) -> "CommschedState":
+    """Register the commsched hook on ``ddp_model``; returns its state.
+
+    ``config`` defaults to ``Config.from_env()``. DDP accepts one comm hook per model, so
+    this cannot be combined with another hook.
+
+    Example::
+        ddp_model = DistributedDataParallel(model)
+        commsched.hooks.register(ddp_model)
+    """
+    state = CommschedState(ddp_model, config, **state_kwargs)
+    ddp_model.register_comm_hook(state, commsched_hook)
+    return state
+
+
+def _open_recorder(config: Config, ddp_model):
+    """Telemetry recorder for this rank, or None when telemetry is unavailable."""
+    try:
+        from commsched.telemetry import open_recorder
+    except ImportError:
+        return None
+    device = next(ddp_model.parameters()).device
+    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                         local_rank=device.index or 0 if device.type == "cuda" else 0,
+                         device=device)

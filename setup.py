@@ -1,0 +1,25 @@
+"""Packaging: hooks/ and megatron_patches/ install as commsched.hooks and
+commsched.megatron_patches; no top-level "hooks" package lands in site-packages."""
+
+from setuptools import setup
+
+setup(
+    name="commsched",
+    version="0.1.0",
+    description="Priority/credit communication scheduler for PyTorch DDP and Megatron-core",
+    python_requires=">=3.10",
+    packages=["commsched", "commsched.telemetry", "commsched.hooks",
+              "commsched.megatron_patches"],
+    package_dir={
+        "commsched": "commsched",
+        "commsched.hooks": "hooks",
+        "commsched.megatron_patches": "megatron_patches",
+    },
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "gpu": ["nvidia-ml-py", "nvtx"],
+        "plots": ["matplotlib"],
+        "megatron": ["megatron-core>=0.16"],
+    },
+    entry_points={"console_scripts": ["commsched = commsched.cli:main"]},
+)

@@ -1,0 +1,54 @@
+"""Run a function on N CPU processes with gloo, failing fast on a hang.
+
+Every multi-process test goes through ``run_workers``: a worker that hangs (a mismatched
+collective, a deadlock) makes the test fail after ``timeout`` seconds instead of eating
+CI's time budget.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, args, env):
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        # Leave together: a rank that exits while its peer still talks to it turns a
+        # clean result into a connection error on the peer.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env=None):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+
+    Raises if any worker raised, or ``TimeoutError`` if they have not all finished within
+    ``timeout`` seconds (the workers are killed).
+    """
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args, env or {}),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish "
+                               f"within {timeout:.0f}s (hang?)")

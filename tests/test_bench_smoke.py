@@ -1,0 +1,201 @@
+"""Smoke test of the benchmark scripts (examples/bench/) on CPU with gloo.
+
+The harness and the micro-benchmark run end to end as subprocesses, in their quickest
+settings, and must write the documented JSON and print a markdown table last. Timings are
+not checked: CI timings are noise (see BENCHMARKS.md); speed is judged on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "examples" / "bench"
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+
+# Modes the harness measures itself, with no commsched API involved: these must run.
+HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "bound")
+ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_commsched",
+             "commsched_dp", "megatron_stock", "megatron_patched")
+RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
+               "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
+               "throughput_unit", "ratio_to_bound")
+ITERS = 2
+
+
+def run_script(script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return (f"exit status {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-3000:]}"
+            f"\n--- stderr (tail) ---\n{proc.stderr[-5000:]}")
+
+
+def last_line(text: str) -> str:
+    return [line for line in text.splitlines() if line.strip()][-1]
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def harness_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "harness.json"
+    proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
+                                     "--iters", str(ITERS), "--timeout", "200",
+                                     "--out", str(out)], timeout=240)
+    document = json.loads(out.read_text()) if out.exists() else None
+    return proc, document
+
+
+@pytest.fixture(scope="module")
+def microbench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "microbench.json"
+    proc = run_script("microbench.py", ["--chunks", "32", "--chunks-per-iter", "8",
+                                        "--repeats", "1", "--mlp-warmup", "1",
+                                        "--mlp-iters", "2", "--timeout", "150",
+                                        "--out", str(out)], timeout=180)
+    document = json.loads(out.read_text()) if out.exists() else None
+    return proc, document
+
+
+# --- harness ------------------------------------------------------------------------------
+
+def test_harness_exits_cleanly_and_prints_the_table_last(harness_run):
+    proc, document = harness_run
+    assert proc.returncode == 0, explain(proc)
+    assert document is not None, explain(proc)
+    assert last_line(proc.stdout).startswith("| "), explain(proc)
+    table = proc.stdout[proc.stdout.index("| regime |"):]
+    for label in (m.label for m in harness.MODES):
+        assert label in table
+
+
+def test_harness_json_describes_system_settings_and_environment(harness_run):
+    _, document = harness_run
+    assert document["schema"] == "commsched.bench.harness/1"
+    for key in ("torch", "cuda", "nccl", "gpu_name", "driver", "cpu_count"):
+        assert key in document["system"]
+    assert document["settings"]["iters"] == ITERS
+    assert document["settings"]["backend"] == "gloo"
+    [launch] = document["launches"]
+    assert launch["status"] == "ok" and launch["error"] is None
+    assert launch["regime"] == "nvlink"
+    assert launch["env"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_harness_reports_every_mode_with_a_number_or_a_reason(harness_run):
+    _, document = harness_run
+    [run] = document["launches"][0]["runs"]
+    assert run["model"] == "gpt" and is_number(run["params"]) and run["unit"] == "tokens"
+    assert tuple(run["modes"]) == ALL_MODES
+    for name, result in run["modes"].items():
+        assert set(RESULT_KEYS) <= set(result), name
+        assert result["status"] in ("ok", "n/a"), f"{name}: {result['status']}: {result['reason']}"
+        if result["status"] == "ok":
+            assert is_number(result["median_ms"]) and result["median_ms"] > 0, name
+            assert is_number(result["ratio_to_bound"]), name
+            if name != "bound":
+                assert len(result["iter_ms"]) == ITERS, name
+                assert all(is_number(t) for t in result["iter_ms"]), name
+                assert result["p10_ms"] <= result["median_ms"] <= result["p90_ms"], name
+        else:
+            assert isinstance(result["reason"], str) and result["reason"].strip(), name
+            assert result["median_ms"] is None, name
+
+
+def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
+    _, document = harness_run
+    modes = document["launches"][0]["runs"][0]["modes"]
+    for name in HARNESS_OWN_MODES:
+        assert modes[name]["status"] == "ok", f"{name}: {modes[name]['reason']}"
+    bound = modes["bound"]
+    assert bound["median_ms"] == max(modes["compute_only"]["median_ms"],
+                                     modes["comm_only"]["median_ms"])
+    assert bound["ratio_to_bound"] == 1.0
+    assert modes["comm_only"]["buckets"] == len(modes["comm_only"]["bucket_bytes"]) >= 1
+    assert is_number(modes["compute_only"]["throughput"])
+
+
+# --- micro-benchmark ----------------------------------------------------------------------
+
+def test_microbench_exits_cleanly_and_prints_the_table_last(microbench_run):
+    proc, document = microbench_run
+    assert proc.returncode == 0, explain(proc)
+    assert document is not None and document["status"] == "ok", explain(proc)
+    assert last_line(proc.stdout).startswith("| "), explain(proc)
+
+
+def test_microbench_json_has_every_variant_with_a_number_or_a_reason(microbench_run):
+    _, document = microbench_run
+    assert document["schema"] == "commsched.bench.microbench/1"
+    submit = document["submit_overhead"]
+    assert submit["chunk_bytes"] == 1024 and submit["target_added_us"] == 20.0
+    assert {(r["variant"], r["group"]) for r in submit["rows"]} == {
+        (v, g) for v in ("direct", "commsched_off", "commsched_default")
+        for g in ("own", "pair")}
+    for row in submit["rows"]:
+        assert row["status"] in ("ok", "n/a"), f"{row['name']}: {row['reason']}"
+        if row["status"] == "ok":
+            assert is_number(row["wall_us_per_chunk"]) and is_number(row["cpu_us_per_chunk"])
+            assert is_number(row["added_wall_us_per_chunk"])
+        else:
+            assert row["reason"].strip()
+    rows = document["ddp_mlp"]["rows"]
+    assert [r["name"] for r in rows] == ["ddp", "ddp_commsched_off", "ddp_commsched_default"]
+    assert rows[0]["status"] == "ok" and rows[0]["ratio_to_ddp"] == 1.0
+    for row in rows:
+        assert row["status"] in ("ok", "n/a"), f"{row['name']}: {row['reason']}"
+        if row["status"] == "ok":
+            assert is_number(row["median_ms"]) and len(row["iter_ms"]) == 2
+        else:
+            assert row["reason"].strip()
+
+
+# --- pieces the numbers depend on ---------------------------------------------------------
+
+def test_full_size_models_have_the_published_parameter_counts():
+    with torch.device("meta"):
+        gpt = models.count_parameters(models.GPT(models.GPTConfig()))
+        vgg = models.count_parameters(models.vgg16())
+        resnet = models.count_parameters(models.resnet50())
+    assert gpt == 405_762_048      # 24x1024 decoder, vocab 50257, untied head (~405M)
+    assert vgg == 138_357_544      # VGG-16, 1000 classes
+    assert resnet == 25_557_032    # ResNet-50, 1000 classes
+
+
+def test_bucket_estimate_closes_a_bucket_once_it_reaches_its_cap():
+    mib = 1 << 20
+    sizes = [3 * mib, 10 * mib, 10 * mib, 10 * mib, 2 * mib]
+    assert harness.assign_buckets(sizes, mib, 25 * mib) == [3 * mib, 30 * mib, 2 * mib]
+    assert harness.assign_buckets([], mib, 25 * mib) == []
+
+
+@pytest.mark.parametrize("regime, expected", [
+    ("nvlink", {"NCCL_P2P_DISABLE": None, "NCCL_SHM_DISABLE": None}),
+    ("host", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": None}),
+    ("sockets", {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}),
+])
+def test_regime_environment_overrides_the_shell_and_keeps_nvls_off(monkeypatch, regime,
+                                                                    expected):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    monkeypatch.setenv("NCCL_SHM_DISABLE", "0")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    harness.apply_regime_env(regime)
+    for name, value in {**expected, "NCCL_NVLS_ENABLE": "0"}.items():
+        assert os.environ.get(name) == value, name

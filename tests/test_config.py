@@ -1,0 +1,88 @@
+"""Config: defaults, parsing, and a clear error naming the variable for every bad value."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commsched.config import ENV_VARS, Config, ConfigError, parse_bytes
+
+
+def test_defaults_are_off_and_valid():
+    config = Config.from_env({})
+    assert config == Config()
+    assert config.enabled is False
+
+
+def test_every_field_parsed_from_its_variable():
+    config = Config.from_env({
+        "COMMSCHED": "1", "COMMSCHED_PARTITION_BYTES": "4MiB",
+        "COMMSCHED_CREDIT_BYTES": "inf", "COMMSCHED_POLICY": "FIFO",
+        "COMMSCHED_DECOMPOSE": "rs_ag", "COMMSCHED_PROFILE_ITERS": "5",
+        "COMMSCHED_TELEMETRY_DIR": "/tmp/run", "COMMSCHED_NVTX": "1",
+        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS": "0", "COMMSCHED_TELEMETRY_NVML_PER_LINK": "0",
+        "COMMSCHED_TELEMETRY_MAX_BYTES": "1GiB"})
+    assert config == Config(enabled=True, partition_bytes=4 << 20, credit_bytes=0,
+                            policy="fifo", decompose="rs_ag", profile_iters=5,
+                            telemetry_dir="/tmp/run", nvtx=True, telemetry_nvml_period_ms=0,
+                            telemetry_nvml_per_link=False, telemetry_max_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("4194304", 4194304), ("4MiB", 4 << 20), ("64kb", 64000), ("1 GiB", 1 << 30),
+    ("0", 0), ("inf", 0), ("512KiB", 512 << 10)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text, "X") == value
+
+
+BAD = [
+    ("COMMSCHED", "yes"), ("COMMSCHED", ""), ("COMMSCHED", "2"),
+    ("COMMSCHED_PARTITION_BYTES", "-1"), ("COMMSCHED_PARTITION_BYTES", "4XB"),
+    ("COMMSCHED_PARTITION_BYTES", ""), ("COMMSCHED_PARTITION_BYTES", "2TiB"),
+    ("COMMSCHED_CREDIT_BYTES", "1.5MiB"), ("COMMSCHED_CREDIT_BYTES", "lots"),
+    ("COMMSCHED_POLICY", "lifo"), ("COMMSCHED_POLICY", ""),
+    ("COMMSCHED_DECOMPOSE", "tree"), ("COMMSCHED_PROFILE_ITERS", "0"),
+    ("COMMSCHED_PROFILE_ITERS", "x"), ("COMMSCHED_TELEMETRY_DIR", "  "),
+    ("COMMSCHED_NVTX", "true"), ("COMMSCHED_TELEMETRY_NVML_PERIOD_MS", "-3"),
+    ("COMMSCHED_TELEMETRY_NVML_PER_LINK", "2"), ("COMMSCHED_TELEMETRY_MAX_BYTES", "big"),
+]
+
+
+@pytest.mark.parametrize("var,value", BAD)
+def test_bad_value_names_the_variable(var, value):
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({var: value})
+    assert var in str(err.value)
+
+
+def test_unknown_variable_suggests_the_known_one():
+    with pytest.raises(ConfigError, match="did you mean COMMSCHED_CREDIT_BYTES"):
+        Config.from_env({"COMMSCHED_CREDIT_BYTE": "1"})
+
+
+def test_every_variable_documented_in_readme():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for var in ENV_VARS:
+        assert f"`{var}`" in readme, f"{var} missing from the README's table"
+
+
+def test_direct_construction_is_validated():
+    with pytest.raises(ConfigError, match="credit_bytes"):
+        Config(credit_bytes=-5)
+    with pytest.raises(ConfigError, match="policy"):
+        Config(policy="random")
+
+
+@pytest.mark.parametrize("var,value", [BAD[0], BAD[3], BAD[9], BAD[10], BAD[12]])
+def test_launcher_exits_nonzero_naming_the_variable(var, value, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
+    env[var] = value
+    proc = subprocess.run([sys.executable, "-m", "commsched.run", str(script)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert var in proc.stderr
+    assert "the script ran" not in proc.stdout
+    assert "Traceback" not in proc.stderr
