@@ -70,6 +70,8 @@ def partition(request, partition_bytes: int, multiple: int) -> List[Chunk]:
     world = request.world_size
     if request.op == "all_reduce":
         total = tensor.numel()
+        if partition_bytes == 0 or total * itemsize <= partition_bytes:
+            return [Chunk(request, 0, 0, total, total * itemsize)]
         per_chunk = total if partition_bytes == 0 else max(1, partition_bytes // itemsize)
         if multiple > 1 and per_chunk < total:
             per_chunk = max(multiple, per_chunk - per_chunk % multiple)

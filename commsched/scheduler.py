@@ -35,7 +35,7 @@ from typing import Dict, Hashable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import finish_chunk, issue_step, steps_for
+from .collectives import all_reduce_options, finish_chunk, issue_step, steps_for
 from .config import Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
@@ -58,7 +58,7 @@ class Request:
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
         "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
-        "ready_event", "lane",
+        "ready_event", "lane", "reduce_options",
     )
 
     def wait(self) -> torch.Tensor:
@@ -139,6 +139,7 @@ class _Lane:
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
         self.pending: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.events: "collections.deque" = collections.deque()
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
@@ -146,6 +147,12 @@ class _Lane:
         self.thread = threading.Thread(target=self._completion_loop,
                                        name=f"commsched-{name}", daemon=True)
         self.thread.start()
+
+    def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
+        options = self.options.get(reduce_op)
+        if options is None:
+            options = self.options[reduce_op] = all_reduce_options(reduce_op)
+        return options
 
     # ---- submission (training thread) ----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -238,7 +245,10 @@ class _Lane:
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
                     return
-                self._advance(it)
+                if it.plan is not None and it.plan_pos < len(it.plan.order):
+                    it.plan_pos += 1
+                else:
+                    it.chunk_pos += 1
                 self.in_flight_bytes += chunk.nbytes
                 self.chunks_dispatched += 1
                 self.bytes_dispatched += chunk.nbytes
@@ -275,13 +285,6 @@ class _Lane:
             it.chunk_pos = 0
         return _DONE if it.flushed else None
 
-    @staticmethod
-    def _advance(it: _Iteration) -> None:
-        if it.plan is not None and it.plan_pos < len(it.plan.order):
-            it.plan_pos += 1
-        else:
-            it.chunk_pos += 1
-
     def _exchange_profile_and_plan(self, profile: List[RequestProfile]) -> Plan:
         """Reduce the readiness profile with MAX over the group and build the plan.
 
@@ -315,29 +318,28 @@ class _Lane:
         if nvtx:
             nvtx_range_push(f"commsched {req.steps[step]} {req.key}#{chunk.index}")
         if self.cuda:
-            timing = self.observer is not None
-            with torch.cuda.stream(self.launch_stream):
+            # Issue from the launch stream, which waits only for the request's ready event:
+            # issued from the caller's stream, the collective would also wait for whatever
+            # compute was queued there since the gradients were ready.
+            caller = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(self.launch_stream)
+            try:
                 if step == 0:
                     self.launch_stream.wait_event(req.ready_event)
-                start = self._event(timing)
+                start = self._event() if self.observer is not None else None
                 if start is not None:
-                    start.record()
+                    start.record(self.launch_stream)
                 work = issue_step(chunk, step)
-            with torch.cuda.stream(self.watch_stream):
-                work.wait()
-                if step == len(req.steps) - 1:
-                    finish_chunk(chunk)
-                end = self._event(True)
-                end.record()
-            self.pending.put((chunk, step, work, start, end))
+            finally:
+                torch.cuda.set_stream(caller)
+            self.pending.put([chunk, step, work, start, None, None])
         else:
-            self.pending.put((chunk, step, issue_step(chunk, step), None, None))
+            self.pending.put([chunk, step, issue_step(chunk, step), None, None, None])
         if nvtx:
             nvtx_range_pop()
 
-    def _event(self, enabled: bool):
-        if not enabled:
-            return None
+    def _event(self):
+        """A CUDA event from the lane's pool (timed when telemetry needs durations)."""
         try:
             return self.events.pop()
         except IndexError:
@@ -350,65 +352,109 @@ class _Lane:
             # Futures resolved here record their completion on this thread's current
             # stream; the watch stream is where every collective's end was recorded.
             torch.cuda.set_stream(self.watch_stream)
-        while True:
-            item = self.pending.get()
-            if item is None:
-                return
-            chunk, step, work, start, end = item
-            error = None
-            try:
-                if end is not None:
-                    end.synchronize()
-                else:
-                    work.wait()
-            except Exception as exc:  # the collective failed (peer gone, timeout, ...)
-                error = exc
-            self._complete(chunk, step, start, end, error)
+        item = self.pending.get()
+        while item is not None:
+            self._wait(item)
+            # Everything that finished meanwhile is completed under one lock acquisition:
+            # fewer hand-offs of the GIL between this thread and the training thread.
+            batch = [item]
+            item = self._next_if_done(batch)
+            self._complete(batch)
+            if item is False:
+                item = self.pending.get()
 
-    def _complete(self, chunk: Chunk, step: int, start, end, error) -> None:
-        t_end = time.time_ns()
-        req = chunk.request
-        if start is not None:
-            t_start = t_end - int(start.elapsed_time(end) * 1e6)
-            self.events.append(start)
-        else:
-            t_start = chunk.t_dispatch_ns
-        if end is not None:
-            self.events.append(end)
-        last = step == len(req.steps) - 1
-        finished = False
-        with self.lock:
-            chunk.steps_done = step + 1
-            if error is not None and self.failure is None:
-                self.failure = error
-            if last:
-                if not self.cuda and error is None:
+    def _wait(self, item: list) -> None:
+        """Block (GIL released) until the item's collective finished on the device.
+
+        NCCL: ``work.wait()`` only makes this thread's current stream (the watch stream)
+        wait for the collective; an event recorded after it, synchronised, is the device
+        completion. A padded chunk is copied back on the watch stream before that event.
+        Gloo: ``work.wait()`` blocks until the collective is done.
+        """
+        chunk, step, work, _, _, _ = item
+        try:
+            work.wait()
+            if self.cuda:
+                if step == len(chunk.request.steps) - 1:
                     finish_chunk(chunk)
-                chunk.staging = None      # kept alive until the device finished with it
-                self.in_flight_bytes -= chunk.nbytes
-                self.busy_seconds += (t_end - chunk.t_dispatch_ns) * 1e-9
-                self.busy_bytes += chunk.nbytes
-                req.remaining -= 1
-                finished = req.remaining == 0
+                end = item[4] = self._event()
+                end.record()
+                end.synchronize()
+        except Exception as exc:  # the collective failed (peer gone, timeout, ...)
+            item[5] = exc
+
+    def _next_if_done(self, batch: list):
+        """Move already-finished items into ``batch``; return the first unfinished one
+        (False when the queue is empty, None when the lane is closing)."""
+        while True:
+            try:
+                item = self.pending.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return None
+            if not item[2].is_completed():
+                return item
+            self._wait(item)          # returns at once; surfaces a failure
+            batch.append(item)
+
+    def _complete(self, batch: list) -> None:
+        t_end = time.time_ns()
+        records = []
+        finished = []
+        with self.lock:
+            for chunk, step, _, start, end, error in batch:
+                req = chunk.request
+                chunk.steps_done = step + 1
+                if error is not None:
+                    if self.failure is None:
+                        self.failure = error
+                    finished.append((req, chunk, step, error))
+                elif step == len(req.steps) - 1:
+                    if not self.cuda:
+                        finish_chunk(chunk)
+                    chunk.staging = None      # kept alive until the device finished with it
+                    self.in_flight_bytes -= chunk.nbytes
+                    self.busy_seconds += (t_end - chunk.t_dispatch_ns) * 1e-9
+                    self.busy_bytes += chunk.nbytes
+                    req.remaining -= 1
+                    if req.remaining == 0:
+                        finished.append((req, chunk, step, None))
+                if self.observer is not None:
+                    records.append((chunk, step, start, end, error))
             if self.failure is None:
                 self._pump()
             else:
                 self.idle.notify_all()
-        if self.observer is not None:
-            self.observer.on_chunk(ChunkRecord(
-                self.name, req.iteration, str(req.key), req.op, req.steps[step],
-                req.decompose, chunk.index, len(req.chunks), chunk.nbytes,
-                str(req.tensor.dtype).replace("torch.", ""), self.ranks, req.priority,
-                req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
-                "" if error is None else repr(error)))
-        if error is not None:
-            if not req.future.done():
+        for chunk, step, start, end, error in records:
+            self.observer.on_chunk(self._record(chunk, step, start, end, error, t_end))
+        for _, _, start, end, _ in records:
+            if start is not None:
+                self.events.append(start)
+        for item in batch:
+            if item[4] is not None:
+                self.events.append(item[4])
+        for req, chunk, step, error in finished:
+            if error is None:
+                req.future.set_result(req.tensor)
+            elif not req.future.done():
                 req.future.set_exception(SchedulerError(
                     f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of request "
                     f"{req.key!r} ({chunk.nbytes} bytes, lane {self.name}, ranks "
                     f"{list(self.ranks)}, iteration {req.iteration}) failed: {error}"))
-        elif finished:
-            req.future.set_result(req.tensor)
+
+    def _record(self, chunk: Chunk, step: int, start, end, error, t_end: int) -> ChunkRecord:
+        req = chunk.request
+        if start is not None:
+            t_start = t_end - int(start.elapsed_time(end) * 1e6)
+        else:
+            t_start = chunk.t_dispatch_ns
+        return ChunkRecord(
+            self.name, req.iteration, str(req.key), req.op, req.steps[step], req.decompose,
+            chunk.index, len(req.chunks), chunk.nbytes,
+            str(req.tensor.dtype).replace("torch.", ""), self.ranks, req.priority,
+            req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
+            "" if error is None else repr(error))
 
     def drain(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -479,6 +525,7 @@ class Scheduler:
         req.key, req.tensor, req.op, req.group = key, tensor, op, group
         req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
         req.reduce_op, req.decompose = reduce_op, decompose
+        req.reduce_options = lane.reduce_options(reduce_op)
         req.steps = steps_for(op, decompose)
         req.lane = lane
         req.t_submit_ns = time.time_ns()

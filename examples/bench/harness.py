@@ -277,11 +277,11 @@ def run_comm_only(bench: Bench) -> Dict[str, Any]:
             "total_bytes": sum(bucket_bytes)}
 
 
-def run_ddp_commsched(bench: Bench) -> Dict[str, Any]:
+def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
     """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset)."""
     commsched = benchlib.import_commsched()
     hooks = benchlib.import_commsched_hooks()
-    config = commsched.Config.from_env().replace(enabled=True)
+    config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.ddp(bench.build_model())
     state = hooks.register(model, config=config)
     try:
@@ -335,6 +335,9 @@ MODES: List[Mode] = [
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
+    Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, 64 MiB credit",
+         lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20,
+                                         credit_bytes=64 << 20)),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
