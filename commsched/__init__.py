@@ -11,4 +11,13 @@ from .scheduler import Request, Scheduler, SchedulerError
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "Scheduler", "Request", "SchedulerError", "__version__"]
+__all__ = ["Config", "ConfigError", "Scheduler", "Request", "SchedulerError", "step",
+           "__version__"]
+
+
+def step() -> None:
+    """Mark an iteration boundary for telemetry, for training loops whose boundaries the
+    DDP hook and the launcher cannot see (no-op when telemetry is off)."""
+    from .telemetry import step as _step
+
+    _step()

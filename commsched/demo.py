@@ -38,6 +38,9 @@ def _worker(rank: int, world: int, port: int, args, config: Config) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        # One intra-op thread per process: the ranks share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -72,10 +75,7 @@ def _worker(rank: int, world: int, port: int, args, config: Config) -> None:
                   f"{stats['chunks'] - previous['chunks']:>7} "
                   f"{(stats['bytes'] - previous['bytes']) / 1024:>9.1f}", flush=True)
         previous = stats
-    state.scheduler.drain(timeout=60)
-    if state.recorder is not None:
-        state.recorder.close()
-    state.scheduler.close()
+    state.close()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -87,6 +87,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--depth", type=int, default=4, help="hidden layers (4)")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank (64)")
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="DDP bucket_cap_mb (1)")
+    parser.add_argument("--no-telemetry", action="store_true",
+                        help="do not record telemetry (default: commsched_runs/demo-TIME, "
+                             "or COMMSCHED_TELEMETRY_DIR)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="processes (default: GPUs if >= 2, else 2 on CPU)")
     args = parser.parse_args(argv)
@@ -103,6 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "COMMSCHED_PARTITION_BYTES" not in os.environ:
         # Small enough that the demo's 1 MiB buckets visibly split into chunks.
         config = config.replace(partition_bytes=256 << 10)
+    if config.telemetry_dir is None and not args.no_telemetry:
+        config = config.replace(telemetry_dir=os.path.join(
+            "commsched_runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     args.backend = "nccl" if gpus >= 2 else "gloo"
     world = args.world_size or (gpus if gpus >= 2 else 2)
@@ -113,6 +119,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(world, port, args, config), nprocs=world)
+    if config.telemetry_dir:
+        from .telemetry.report import report_main
+
+        print(f"\ntelemetry of this run: {config.telemetry_dir}", flush=True)
+        report_main([config.telemetry_dir])
+        print(f"\nmore: commsched report {config.telemetry_dir} --plot timeline.png\n"
+              f"      commsched trace {config.telemetry_dir} -o trace.json "
+              f"(open in ui.perfetto.dev)")
     return 0
 
 

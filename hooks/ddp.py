@@ -48,6 +48,15 @@ class CommschedState:
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
 
+    def close(self, timeout: Optional[float] = 60.0) -> None:
+        """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
+        try:
+            self.scheduler.drain(timeout)
+        finally:
+            self.scheduler.close()
+            if self.recorder is not None:
+                self.recorder.close()
+
     def priority(self, bucket: dist.GradBucket) -> int:
         """Forward position of the bucket's earliest parameter (lower goes first)."""
         key = (bucket.index(), bucket.buffer().numel())

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -25,6 +26,8 @@ def free_port() -> int:
 
 def _entry(rank, fn, world_size, port, args, env):
     os.environ.update(env)
+    # The ranks share CI's 2 cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     try:
