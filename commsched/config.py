@@ -99,6 +99,19 @@ class Config:
         minimum=1))
     """Warm-up iterations, dispatched FIFO and profiled, before the first priority plan."""
 
+    timeout_s: int = field(default=0, metadata=_env(
+        "COMMSCHED_TIMEOUT_S",
+        "Seconds a collective may run without completing before the waiting ranks get an "
+        "error naming it; 0: the process group's own timeout."))
+    """Hang detection: a chunk in flight this long without any completion is an error.
+    0 takes the process group's timeout (torch's default: 30 minutes)."""
+
+    verify: bool = field(default=False, metadata=_env(
+        "COMMSCHED_VERIFY",
+        "0 or 1: cross-check every iteration's dispatch sequence across ranks (one small "
+        "collective per iteration) and report the first divergence."))
+    """Debug mode: compare a digest of each iteration's dispatch sequence across ranks."""
+
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
         "COMMSCHED_TELEMETRY_DIR",
         "Directory for the telemetry store (SQLite) and exports; unset disables telemetry."))

@@ -40,6 +40,7 @@ from .config import Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
 from .plan import Plan, RequestProfile, build_plan
+from .safety import check_agreement, first_divergence, step_crc
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
@@ -58,7 +59,7 @@ class Request:
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
         "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
-        "ready_event", "lane", "reduce_options",
+        "ready_event", "lane", "reduce_options", "chunks_issued", "done_event",
     )
 
     def wait(self) -> torch.Tensor:
@@ -75,7 +76,8 @@ class _Iteration:
     the dispatch cursor over them."""
 
     __slots__ = ("index", "requests", "by_key", "flushed", "plan", "profile", "resolved",
-                 "planned", "plan_pos", "req_pos", "chunk_pos", "t_first_ns")
+                 "planned", "plan_pos", "req_pos", "chunk_pos", "t_first_ns", "crc",
+                 "sequence")
 
     def __init__(self, index: int, profile: Optional[List[RequestProfile]], planned: bool):
         self.index = index
@@ -92,6 +94,8 @@ class _Iteration:
         self.req_pos = 0
         self.chunk_pos = 0
         self.t_first_ns = 0
+        self.crc = 0                  # COMMSCHED_VERIFY: digest of the dispatch sequence
+        self.sequence: List[tuple] = []
 
 
 _DONE = object()
@@ -140,13 +144,24 @@ class _Lane:
         self.last_iteration: Optional[IterationRecord] = None
         self.pending: "queue.SimpleQueue" = queue.SimpleQueue()
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
+        self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
+        self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
+        self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
+        self.progress = time.monotonic()              # last dispatch or completion
+        self.waiting_item = None                      # what the completion thread waits on
+        self.stopping = threading.Event()
         self.events: "collections.deque" = collections.deque()
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
-            self.watch_stream = torch.cuda.Stream(device)
+            self.done_stream = torch.cuda.Stream(device)
+            self.future_stream = torch.cuda.Stream(device)
+        self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
         self.thread = threading.Thread(target=self._completion_loop,
                                        name=f"commsched-{name}", daemon=True)
         self.thread.start()
+        self.watchdog = threading.Thread(target=self._watchdog,
+                                         name=f"commsched-{name}-watchdog", daemon=True)
+        self.watchdog.start()
 
     def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
         options = self.options.get(reduce_op)
@@ -158,7 +173,7 @@ class _Lane:
     def add(self, req: Request) -> None:
         with self.lock:
             if self.failure is not None:
-                raise SchedulerError(f"lane {self.name} failed earlier: {self.failure}")
+                raise self.failure
             it = self.current
             if it is None:
                 it = self._begin_iteration()
@@ -169,7 +184,14 @@ class _Lane:
             req.iteration = it.index
             it.requests.append(req)
             it.by_key[req.key] = req
+            self.outstanding[id(req)] = req
             self._pump()
+            failed = self._take_failed_requests() if self.failure is not None else None
+            dispatched = self._take_dispatched()
+        self._resolve(dispatched)
+        if failed is not None:
+            self._fail_futures(failed)
+            raise self.failure
 
     def _begin_iteration(self) -> _Iteration:
         it = _Iteration(self.iteration_count, self.next_profile, self.planned_layout is not None)
@@ -197,8 +219,14 @@ class _Lane:
             self._pump()
             while wait_dispatched and it.index >= self.dispatched_iterations:
                 if self.failure is not None:
-                    raise SchedulerError(f"lane {self.name} failed: {self.failure}")
+                    break
                 self.idle.wait()
+            failed = self._take_failed_requests() if self.failure is not None else None
+            dispatched = self._take_dispatched()
+        self._resolve(dispatched)
+        if failed is not None:
+            self._fail_futures(failed)
+            raise self.failure
         if self.observer is not None:
             self.observer.on_iteration(record)
         return record
@@ -232,6 +260,8 @@ class _Lane:
                     return
                 it = self.iterations[0]
                 if not it.resolved:
+                    if self.verify_queue and not self._verify_sequences():
+                        return
                     if it.profile is not None:
                         self.plan = self._exchange_profile_and_plan(it.profile)
                     it.plan, it.resolved = self.plan, True
@@ -241,6 +271,8 @@ class _Lane:
                 if chunk is _DONE:
                     self.iterations.popleft()
                     self.dispatched_iterations = it.index + 1
+                    if self.config.verify:
+                        self.verify_queue.append((it.index, it.crc, it.sequence))
                     self.idle.notify_all()
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
@@ -308,10 +340,108 @@ class _Lane:
             self.dispatch_log.append(("plan", len(plan.order)))
         return plan
 
+    def _verify_sequences(self) -> bool:
+        """COMMSCHED_VERIFY: compare the digests of the iterations dispatched since the
+        last check across ranks (in the collective sequence, like the plan exchange);
+        on a difference gather the sequences and fail with the first divergence."""
+        checked, self.verify_queue = self.verify_queue, []
+        local = torch.tensor([v for index, crc, _ in checked for v in (index, crc)],
+                             dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        if all(torch.equal(g.cpu(), local.cpu()) for g in gathered):
+            return True
+        sequences: List[Optional[list]] = [None] * self.world_size
+        dist.all_gather_object(sequences, [e for _, _, seq in checked for e in seq],
+                               group=self.group)
+        self._fail(SchedulerError(
+            f"commsched: dispatch sequences of lane {self.name} differ across ranks "
+            f"(iterations {checked[0][0]}..{checked[-1][0]}): "
+            f"{first_divergence(sequences, self.ranks)}"))
+        return False
+
+    def _fail(self, error: BaseException) -> None:
+        """Record the lane's failure and fail every request still waiting (lock held).
+        Futures are failed outside the lock by whoever called, via ``failed_requests``."""
+        if self.failure is None:
+            self.failure = error
+        self.idle.notify_all()
+
+    def _take_dispatched(self) -> List[Request]:
+        """CUDA requests whose every chunk was issued (lock held); see ``_resolve``."""
+        if not self.dispatched:
+            return self.dispatched
+        dispatched, self.dispatched = self.dispatched, []
+        for req in dispatched:
+            self.outstanding.pop(id(req), None)
+        return dispatched
+
+    def _resolve(self, requests: List[Request]) -> None:
+        """Resolve fully issued CUDA requests (outside the lock: a future's callbacks may
+        submit). The future records its completion on the future stream after it waited
+        for the request's last collective, so a waiter's stream waits for the device."""
+        if not requests:
+            return
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.future_stream)
+        try:
+            for req in requests:
+                self.future_stream.wait_event(req.done_event)
+                req.future.set_result(req.tensor)
+        finally:
+            torch.cuda.set_stream(caller)
+
+    def _take_failed_requests(self) -> List[Request]:
+        failed = [r for r in self.outstanding.values() if not r.future.done()]
+        self.outstanding.clear()
+        return failed
+
+    def _fail_futures(self, requests: List[Request]) -> None:
+        error = self.failure
+        for req in requests:
+            if not req.future.done():
+                req.future.set_exception(error if isinstance(error, SchedulerError)
+                                         else SchedulerError(str(error)))
+
+    def _watchdog(self) -> None:
+        """Turn a collective that never completes (a dead peer, mismatched collectives)
+        into an error on this rank, naming what it was waiting for."""
+        period = min(max(self.timeout_s / 10.0, 0.05), 5.0)
+        while not self.stopping.wait(period):
+            with self.lock:
+                if self.failure is not None:
+                    return
+                stalled = time.monotonic() - self.progress
+                if not self.in_flight_bytes or stalled <= self.timeout_s:
+                    continue
+                item = self.waiting_item
+                what = "a collective"
+                if item is not None:
+                    chunk, step = item[0], item[1]
+                    req = chunk.request
+                    what = (f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of "
+                            f"request {req.key!r} ({chunk.nbytes} bytes, iteration "
+                            f"{req.iteration})")
+                self._fail(SchedulerError(
+                    f"commsched: {what} on lane {self.name} (ranks {list(self.ranks)}) did "
+                    f"not complete within {self.timeout_s:.0f} s (COMMSCHED_TIMEOUT_S); a peer "
+                    f"may have died or the ranks issued different collectives"))
+                failed = self._take_failed_requests()
+            if item is not None and self.observer is not None:
+                self.observer.on_chunk(self._record(item[0], item[1], None, None,
+                                                    self.failure, time.time_ns()))
+            self._fail_futures(failed)
+            return
+
     def _issue(self, chunk: Chunk, step: int) -> None:
         req = chunk.request
+        self.progress = time.monotonic()
         if self.trace_dispatch:
             self.dispatch_log.append((req.iteration, req.key, chunk.index, step))
+        if self.config.verify:
+            it = self.iterations[0]
+            it.crc = step_crc(it.crc, req.key, chunk.index, step)
+            it.sequence.append((req.iteration, repr(req.key), chunk.index, req.steps[step]))
         if step == 0:
             chunk.t_dispatch_ns = time.time_ns()
         nvtx = self.config.nvtx
@@ -330,9 +460,26 @@ class _Lane:
                 if start is not None:
                     start.record(self.launch_stream)
                 work = issue_step(chunk, step)
+                # The done stream follows the collectives: a padded chunk is copied back
+                # there, the completion thread synchronises on an event recorded there, and
+                # the request's future carries it (CUDA stream semantics, as NCCL's own
+                # futures: the CPU need not wait for the device to go on).
+                torch.cuda.set_stream(self.done_stream)
+                work.wait()
+                last = step == len(req.steps) - 1
+                if last:
+                    finish_chunk(chunk)
+                end = self._event()
+                end.record(self.done_stream)
+                if last:
+                    req.chunks_issued += 1
+                    if req.chunks_issued == len(req.chunks):
+                        req.done_event = torch.cuda.Event()
+                        req.done_event.record(self.done_stream)
+                        self.dispatched.append(req)
             finally:
                 torch.cuda.set_stream(caller)
-            self.pending.put([chunk, step, work, start, None, None])
+            self.pending.put([chunk, step, work, start, end, None])
         else:
             self.pending.put([chunk, step, issue_step(chunk, step), None, None, None])
         if nvtx:
@@ -349,11 +496,9 @@ class _Lane:
     def _completion_loop(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)
-            # Futures resolved here record their completion on this thread's current
-            # stream; the watch stream is where every collective's end was recorded.
-            torch.cuda.set_stream(self.watch_stream)
         item = self.pending.get()
         while item is not None:
+            self.waiting_item = item
             self._wait(item)
             # Everything that finished meanwhile is completed under one lock acquisition:
             # fewer hand-offs of the GIL between this thread and the training thread.
@@ -364,22 +509,13 @@ class _Lane:
                 item = self.pending.get()
 
     def _wait(self, item: list) -> None:
-        """Block (GIL released) until the item's collective finished on the device.
-
-        NCCL: ``work.wait()`` only makes this thread's current stream (the watch stream)
-        wait for the collective; an event recorded after it, synchronised, is the device
-        completion. A padded chunk is copied back on the watch stream before that event.
-        Gloo: ``work.wait()`` blocks until the collective is done.
-        """
-        chunk, step, work, _, _, _ = item
+        """Block (GIL released) until the item's collective finished on the device: on
+        NCCL the event recorded on the done stream after it, on gloo ``work.wait()``."""
         try:
-            work.wait()
-            if self.cuda:
-                if step == len(chunk.request.steps) - 1:
-                    finish_chunk(chunk)
-                end = item[4] = self._event()
-                end.record()
-                end.synchronize()
+            if item[4] is not None:
+                item[4].synchronize()
+            else:
+                item[2].wait()
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
             item[5] = exc
 
@@ -393,7 +529,7 @@ class _Lane:
                 return False
             if item is None:
                 return None
-            if not item[2].is_completed():
+            if not (item[4].query() if item[4] is not None else item[2].is_completed()):
                 return item
             self._wait(item)          # returns at once; surfaces a failure
             batch.append(item)
@@ -402,11 +538,18 @@ class _Lane:
         t_end = time.time_ns()
         records = []
         finished = []
+        failed: List[Request] = []
         with self.lock:
+            self.progress = time.monotonic()
             for chunk, step, _, start, end, error in batch:
                 req = chunk.request
                 chunk.steps_done = step + 1
                 if error is not None:
+                    error = SchedulerError(
+                        f"commsched: {req.steps[step]} of chunk {chunk.index}/"
+                        f"{len(req.chunks)} of request {req.key!r} ({chunk.nbytes} bytes, lane "
+                        f"{self.name}, ranks {list(self.ranks)}, iteration {req.iteration}) "
+                        f"failed: {error}")
                     if self.failure is None:
                         self.failure = error
                     finished.append((req, chunk, step, error))
@@ -418,14 +561,18 @@ class _Lane:
                     self.busy_seconds += (t_end - chunk.t_dispatch_ns) * 1e-9
                     self.busy_bytes += chunk.nbytes
                     req.remaining -= 1
-                    if req.remaining == 0:
+                    if req.remaining == 0 and not self.cuda:
                         finished.append((req, chunk, step, None))
+                        self.outstanding.pop(id(req), None)
                 if self.observer is not None:
                     records.append((chunk, step, start, end, error))
             if self.failure is None:
                 self._pump()
-            else:
+            if self.failure is not None:
                 self.idle.notify_all()
+                failed = self._take_failed_requests()
+            dispatched = self._take_dispatched()
+        self._resolve(dispatched)
         for chunk, step, start, end, error in records:
             self.observer.on_chunk(self._record(chunk, step, start, end, error, t_end))
         for _, _, start, end, _ in records:
@@ -438,10 +585,8 @@ class _Lane:
             if error is None:
                 req.future.set_result(req.tensor)
             elif not req.future.done():
-                req.future.set_exception(SchedulerError(
-                    f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of request "
-                    f"{req.key!r} ({chunk.nbytes} bytes, lane {self.name}, ranks "
-                    f"{list(self.ranks)}, iteration {req.iteration}) failed: {error}"))
+                req.future.set_exception(error)
+        self._fail_futures(failed)
 
     def _record(self, chunk: Chunk, step: int, start, end, error, t_end: int) -> ChunkRecord:
         req = chunk.request
@@ -465,11 +610,23 @@ class _Lane:
                     raise SchedulerError(f"lane {self.name}: drain timed out after {timeout}s")
                 self.idle.wait(left)
             if self.failure is not None:
-                raise SchedulerError(f"lane {self.name} failed: {self.failure}")
+                raise self.failure
 
     def close(self) -> None:
+        self.stopping.set()
         self.pending.put(None)
-        self.thread.join(timeout=10)
+        # After a failure the completion thread may be stuck in a collective that will
+        # never finish; it is a daemon thread and must not hold up the exit.
+        self.thread.join(timeout=1 if self.failure is not None else 10)
+
+
+def _group_timeout(group, device: torch.device) -> float:
+    """The timeout the process group was created with (torch's default otherwise)."""
+    try:
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        from torch.distributed.constants import default_pg_timeout
+        return default_pg_timeout.total_seconds()
 
 
 class Scheduler:
@@ -512,7 +669,11 @@ class Scheduler:
             raise ValueError(f"tensor: expected a flat contiguous tensor, got shape "
                              f"{tuple(tensor.shape)} (contiguous={tensor.is_contiguous()})")
         group = group if group is not None else dist.group.WORLD
-        lane = self._lane(group, tensor.device)
+        lane = self._lanes.get(group) or self._lane(
+            group, tensor.device, (repr(key), tensor.numel(), str(tensor.dtype), op))
+        if lane.device != tensor.device:
+            raise ValueError(f"tensor on {tensor.device}, but earlier requests of lane "
+                             f"{lane.name} were on {lane.device}")
         decompose = decompose if decompose is not None else self.config.decompose
         if decompose not in ("none", "rs_ag"):
             raise ValueError(f"decompose={decompose!r}: expected none or rs_ag")
@@ -543,6 +704,7 @@ class Scheduler:
         multiple = lane.world_size if req.steps[0] == "reduce_scatter" and op == "all_reduce" else 1
         req.chunks = partition(req, self.config.partition_bytes, multiple)
         req.remaining = len(req.chunks)
+        req.chunks_issued = 0
         lane.add(req)
         return req
 
@@ -591,15 +753,22 @@ class Scheduler:
         for lane in self._lanes.values():
             lane.close()
 
-    def _lane(self, group, device: torch.device) -> _Lane:
+    def _lane(self, group, device: torch.device, first: tuple) -> _Lane:
         lane = self._lanes.get(group)
         if lane is None:
             with self._lock:
                 lane = self._lanes.get(group)
                 if lane is None:
+                    # Before the first collective on this group: everything that decides the
+                    # collective sequence must be the same on every rank.
+                    config = self.config
+                    check_agreement({
+                        "partition_bytes": config.partition_bytes,
+                        "credit_bytes": config.credit_bytes, "policy": config.policy,
+                        "decompose": config.decompose, "profile_iters": config.profile_iters,
+                        "verify": config.verify, "backend": dist.get_backend(group),
+                        "device type": device.type, "first request": first,
+                    }, group, what="scheduler configuration")
                     lane = _Lane(self, group, device, f"g{len(self._lanes)}")
                     self._lanes[group] = lane
-        if lane.device != device:
-            raise ValueError(f"tensor on {device}, but earlier requests of lane {lane.name} "
-                             f"were on {lane.device}")
         return lane

@@ -335,9 +335,10 @@ MODES: List[Mode] = [
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
-    Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, 64 MiB credit",
-         lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20,
-                                         credit_bytes=64 << 20)),
+    Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, unbounded credit",
+         lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
+    Mode("ddp_commsched_route", "5c DDP + commsched hook, whole buckets, unbounded credit",
+         lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0)),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
@@ -503,6 +504,10 @@ class LaunchSpec:
 
 def worker(rank: int, spec: LaunchSpec) -> None:
     """Entry point of each spawned worker: one process group, every model and mode."""
+    interval_us = os.environ.get("BENCH_SWITCH_INTERVAL_US")
+    if interval_us:
+        # Experiment knob: how long a thread waiting for the GIL may be kept waiting.
+        sys.setswitchinterval(float(interval_us) * 1e-6)
     apply_regime_env(spec.regime)
     if spec.backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD_SIZE))
