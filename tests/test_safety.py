@@ -1,0 +1,101 @@
+"""Hangs become errors, mismatches are caught before they corrupt anything."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from commsched import Config, Scheduler
+from commsched.safety import AgreementError
+from distributed import free_port, run_workers
+
+
+def _disagreeing_config(rank, world):
+    sched = Scheduler(Config(partition_bytes=1024 if rank == 0 else 2048))
+    with pytest.raises(AgreementError) as err:
+        sched.submit(torch.ones(10), key="b0")
+    message = str(err.value)
+    assert "'partition_bytes' differs" in message
+    assert "ranks [0]: 1024" in message and "ranks [1]: 2048" in message
+    sched.close()
+
+
+def test_configuration_mismatch_is_an_error_on_every_rank_before_any_collective():
+    run_workers(_disagreeing_config, 2, timeout=60)
+
+
+def _disagreeing_first_request(rank, world):
+    sched = Scheduler(Config())
+    t = torch.ones(10 + rank)
+    with pytest.raises(AgreementError, match="'first request' differs"):
+        sched.submit(t, key="b0")
+    assert torch.equal(t, torch.ones(10 + rank))        # no gradient touched
+    sched.close()
+
+
+def test_layout_mismatch_is_an_error_naming_the_field():
+    run_workers(_disagreeing_first_request, 2, timeout=60)
+
+
+def _diverging_sequence(rank, world):
+    """Same first request, then rank 1 submits two requests in the other order: the sums
+    pair tensors of equal size but different meaning. Verification must catch it."""
+    sched = Scheduler(Config(policy="fifo", verify=True))
+    caught = None
+    try:
+        for it in range(3):
+            keys = ["a", "b", "c"] if (rank == 0 or it == 0) else ["a", "c", "b"]
+            reqs = [sched.submit(torch.ones(16), key=k) for k in keys]
+            sched.end_iteration()
+            for r in reqs:
+                r.wait()
+    except Exception as exc:  # noqa: BLE001 - the error is the subject of the test
+        caught = exc
+    assert caught is not None, "divergence not detected"
+    assert "first divergence at collective #1" in str(caught), str(caught)
+    sched.close()
+
+
+def test_verify_reports_the_first_divergence():
+    run_workers(_diverging_sequence, 2, timeout=90)
+
+
+def _dies_mid_iteration(rank, world, port, out_dir):
+    os.environ["COMMSCHED_TIMEOUT_S"] = "20"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    sched = Scheduler(Config.from_env())
+    try:
+        for it in range(5):
+            if rank == 1 and it == 3:
+                os._exit(17)                       # a rank crashes mid-run
+            reqs = [sched.submit(torch.ones(4096), key=i) for i in range(4)]
+            sched.end_iteration()
+            for r in reqs:
+                r.wait()
+    except Exception as exc:  # noqa: BLE001
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        os._exit(3)
+    os._exit(0)
+
+
+def test_a_dead_peer_is_an_error_naming_the_chunk_not_a_hang(tmp_path):
+    ctx = mp.start_processes(_dies_mid_iteration, args=(2, free_port(), str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
+    t0 = time.monotonic()
+    for p in ctx.processes:
+        p.join(timeout=90)
+    elapsed = time.monotonic() - t0
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    assert ctx.processes[0].exitcode == 3
+    message = (tmp_path / "rank0.txt").read_text()
+    assert "commsched:" in message and "iteration 3" in message, message
+    assert "bytes" in message and "ranks [0, 1]" in message, message
+    assert elapsed < 60
