@@ -7,6 +7,14 @@ A request's op is run on each chunk as a fixed list of steps:
   all_reduce      rs_ag      reduce_scatter, all_gather  (in place: shard r of the chunk)
   reduce_scatter  -          reduce_scatter               (piece of every shard -> own piece)
   all_gather      -          all_gather                   (own piece -> piece of every shard)
+  all_reduce      hier       reduce_scatter:intra, all_reduce:inter (of the own shard),
+                             all_gather:intra
+  all_reduce      leader     reduce:intra (to the node's leader), all_reduce:leaders
+                             (leaders only), broadcast:intra
+
+Steps named ``op:role`` run on a sub-group of the topology (topology.py); consecutive steps
+on different groups are ordered by the scheduler (on the device for NCCL, on the host for
+gloo), since different groups run on different streams or threads.
 
 In-place reduce-scatter / all-gather use the buffer layout NCCL documents for in-place
 operation (the output is the rank's own slice of the input), so no copy is made, except for
@@ -38,9 +46,32 @@ _STEPS = {
 }
 
 
-def steps_for(op: str, decompose: str) -> Tuple[str, ...]:
-    """The collectives run, in order, on each chunk of a request."""
-    return _STEPS[(op, decompose)]
+_TOPOLOGY_STEPS = {
+    "hier": ("reduce_scatter:intra", "all_reduce:inter", "all_gather:intra"),
+    "leader": ("reduce:intra", "all_reduce:leaders", "broadcast:intra"),
+}
+
+
+def steps_for(op: str, decompose: str, topology=None) -> Tuple[str, ...]:
+    """The collectives run, in order, on each chunk of a request (by this rank: in the
+    leader decomposition only the leaders take part in the step between nodes)."""
+    if op == "all_reduce" and decompose in _TOPOLOGY_STEPS:
+        steps = _TOPOLOGY_STEPS[decompose]
+        if decompose == "leader" and not topology.is_leader:
+            steps = tuple(s for s in steps if not s.endswith(":leaders"))
+        return steps
+    return _STEPS[(op, "none" if decompose in _TOPOLOGY_STEPS else decompose)]
+
+
+def parts_for(op: str, decompose: str, world_size: int, topology=None) -> int:
+    """What an all-reduce chunk's length must divide by (only the last chunk is padded)."""
+    if op != "all_reduce":
+        return 1
+    if decompose == "rs_ag":
+        return world_size
+    if decompose == "hier":
+        return topology.local_size
+    return 1
 
 
 def all_reduce_options(reduce_op) -> "dist.AllreduceOptions":
@@ -55,6 +86,8 @@ def issue_step(chunk, step: int):
     req = chunk.request
     name = req.steps[step]
     group = req.group
+    if ":" in name:
+        return _issue_topology_step(chunk, name)
     if req.op == "all_reduce":
         if name == "all_reduce":
             # The process group's own method: dist.all_reduce adds argument checks and a
@@ -82,10 +115,33 @@ def issue_step(chunk, step: int):
     return dist.all_gather(pieces, pieces[req.rank], group=group, async_op=True)
 
 
-def _rs_ag_buffer(chunk) -> torch.Tensor:
-    """The chunk itself when its length divides by the group size, else a padded copy."""
+def _issue_topology_step(chunk, name: str):
+    req = chunk.request
+    topo = req.lane.topology
+    op, role = name.split(":")
+    group = topo.group(role)
+    if op == "reduce":
+        return dist.reduce(chunk.view(), dst=topo.leader_rank, op=req.reduce_op, group=group,
+                           async_op=True)
+    if op == "broadcast":
+        return dist.broadcast(chunk.view(), src=topo.leader_rank, group=group, async_op=True)
+    if role == "leaders":
+        return dist.all_reduce(chunk.view(), op=req.reduce_op, group=group, async_op=True)
+    buf = chunk.staging if chunk.staging is not None else _rs_ag_buffer(chunk, topo.local_size)
+    shard = buf.numel() // topo.local_size
+    own = buf.narrow(0, topo.local_rank * shard, shard)
+    if op == "reduce_scatter":
+        return _reduce_scatter_single(own, buf, op=req.reduce_op, group=group, async_op=True)
+    if op == "all_reduce":
+        return dist.all_reduce(own, op=req.reduce_op, group=group, async_op=True)
+    return _all_gather_single(buf, own, group=group, async_op=True)
+
+
+def _rs_ag_buffer(chunk, parts: int = 0) -> torch.Tensor:
+    """The chunk itself when its length divides into ``parts`` (default: the group size),
+    else a zero-padded copy."""
     view = chunk.view()
-    world = chunk.request.world_size
+    world = parts or chunk.request.world_size
     if view.numel() % world == 0:
         return view
     padded = view.new_zeros((view.numel() + world - 1) // world * world)

@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 
 POLICIES = ("priority", "fifo")
-DECOMPOSITIONS = ("none", "rs_ag")
+DECOMPOSITIONS = ("none", "rs_ag", "hier", "leader", "auto")
 
 _BYTE_UNITS = {
     "": 1,
@@ -89,9 +89,18 @@ class Config:
 
     decompose: str = field(default="none", metadata=_env(
         "COMMSCHED_DECOMPOSE",
-        "How an all-reduce chunk is run: none (one all-reduce) or rs_ag "
-        "(reduce-scatter then all-gather)."))
-    """Decomposition of all-reduce chunks: ``none`` or ``rs_ag``."""
+        "How an all-reduce chunk is run: none (one all-reduce), rs_ag (reduce-scatter then "
+        "all-gather), hier (intra-node reduce-scatter, inter-node all-reduce of each "
+        "shard, intra-node all-gather), leader (reduce to a node leader, all-reduce among "
+        "leaders, broadcast), auto (per chunk, by size and topology)."))
+    """Decomposition of all-reduce chunks: ``none``, ``rs_ag``, ``hier``, ``leader`` or
+    ``auto``. The topology-aware ones run on the default process group."""
+
+    local_size: int = field(default=0, metadata=_env(
+        "COMMSCHED_LOCAL_SIZE",
+        "Ranks per node for hier/leader/auto; 0: the launcher's LOCAL_WORLD_SIZE (all ranks "
+        "one node when unset)."))
+    """Ranks per node for the topology-aware decompositions; 0 takes LOCAL_WORLD_SIZE."""
 
     profile_iters: int = field(default=2, metadata=_env(
         "COMMSCHED_PROFILE_ITERS",

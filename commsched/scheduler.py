@@ -35,12 +35,13 @@ from typing import Dict, Hashable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_options, finish_chunk, issue_step, steps_for
-from .config import Config
+from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
+from .config import DECOMPOSITIONS, Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
 from .plan import Plan, RequestProfile, build_plan
 from .safety import check_agreement, first_divergence, step_crc
+from .topology import Topology, local_size_from_env
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
@@ -60,6 +61,7 @@ class Request:
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
         "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_event",
+        "cross_group",
     )
 
     def wait(self) -> torch.Tensor:
@@ -150,6 +152,7 @@ class _Lane:
         self.progress = time.monotonic()              # last dispatch or completion
         self.waiting_item = None                      # what the completion thread waits on
         self.stopping = threading.Event()
+        self.topology: Optional[Topology] = None      # created on first use, every rank
         self.events: "collections.deque" = collections.deque()
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
@@ -438,7 +441,8 @@ class _Lane:
         self.progress = time.monotonic()
         if self.trace_dispatch:
             self.dispatch_log.append((req.iteration, req.key, chunk.index, step))
-        if self.config.verify:
+        if self.config.verify and not req.steps[step].endswith(":leaders"):
+            # (the step among node leaders is the one step other ranks do not take)
             it = self.iterations[0]
             it.crc = step_crc(it.crc, req.key, chunk.index, step)
             it.sequence.append((req.iteration, repr(req.key), chunk.index, req.steps[step]))
@@ -456,10 +460,13 @@ class _Lane:
             try:
                 if step == 0:
                     self.launch_stream.wait_event(req.ready_event)
+                elif req.cross_group:
+                    # The previous step ran on another group's stream: order on the device.
+                    chunk.works.wait()
                 start = self._event() if self.observer is not None else None
                 if start is not None:
                     start.record(self.launch_stream)
-                work = issue_step(chunk, step)
+                work = chunk.works = issue_step(chunk, step)
                 # The done stream follows the collectives: a padded chunk is copied back
                 # there, the completion thread synchronises on an event recorded there, and
                 # the request's future carries it (CUDA stream semantics, as NCCL's own
@@ -620,6 +627,19 @@ class _Lane:
         self.thread.join(timeout=1 if self.failure is not None else 10)
 
 
+# Below this chunk size a collective is latency-bound: the leader decomposition runs one
+# inter-node all-reduce among few ranks instead of one per local rank.
+AUTO_LEADER_BELOW_BYTES = 1 << 20
+
+
+def _auto_decomposition(topology: Topology, nbytes: int, config: Config) -> str:
+    """``auto``: a rank-invariant choice from the request's chunk size and the topology."""
+    if topology.nodes == 1:
+        return "none"
+    chunk = nbytes if not config.partition_bytes else min(nbytes, config.partition_bytes)
+    return "leader" if chunk < AUTO_LEADER_BELOW_BYTES else "hier"
+
+
 def _group_timeout(group, device: torch.device) -> float:
     """The timeout the process group was created with (torch's default otherwise)."""
     try:
@@ -675,19 +695,27 @@ class Scheduler:
             raise ValueError(f"tensor on {tensor.device}, but earlier requests of lane "
                              f"{lane.name} were on {lane.device}")
         decompose = decompose if decompose is not None else self.config.decompose
-        if decompose not in ("none", "rs_ag"):
-            raise ValueError(f"decompose={decompose!r}: expected none or rs_ag")
+        if decompose not in DECOMPOSITIONS:
+            raise ValueError(f"decompose={decompose!r}: expected one of "
+                             f"{', '.join(DECOMPOSITIONS)}")
         if op != "all_reduce":
             decompose = "none"
             if tensor.numel() % lane.world_size:
                 raise ValueError(f"{op}: tensor of {tensor.numel()} elements does not divide "
                                  f"into {lane.world_size} shards")
+        topology = None
+        if decompose in ("hier", "leader", "auto"):
+            topology = self._topology(lane)
+            if decompose == "auto":
+                decompose = _auto_decomposition(
+                    topology, tensor.numel() * tensor.element_size(), self.config)
         req = Request()
         req.key, req.tensor, req.op, req.group = key, tensor, op, group
         req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
         req.reduce_op, req.decompose = reduce_op, decompose
         req.reduce_options = lane.reduce_options(reduce_op)
-        req.steps = steps_for(op, decompose)
+        req.steps = steps_for(op, decompose, topology)
+        req.cross_group = topology is not None and decompose != "none"
         req.lane = lane
         req.t_submit_ns = time.time_ns()
         if average:
@@ -701,12 +729,20 @@ class Scheduler:
             req.future = torch.futures.Future(devices=[tensor.device])
         else:
             req.future = torch.futures.Future()
-        multiple = lane.world_size if req.steps[0] == "reduce_scatter" and op == "all_reduce" else 1
-        req.chunks = partition(req, self.config.partition_bytes, multiple)
+        req.chunks = partition(req, self.config.partition_bytes,
+                               parts_for(op, decompose, lane.world_size, topology))
         req.remaining = len(req.chunks)
         req.chunks_issued = 0
         lane.add(req)
         return req
+
+    def _topology(self, lane: _Lane) -> Topology:
+        if lane.topology is None:
+            with self._lock:
+                if lane.topology is None:
+                    lane.topology = Topology(
+                        lane.group, local_size_from_env(self.config.local_size, lane.world_size))
+        return lane.topology
 
     def end_iteration(self, group=None, wait_dispatched: bool = False
                       ) -> Optional[IterationRecord]:
@@ -766,6 +802,8 @@ class Scheduler:
                         "partition_bytes": config.partition_bytes,
                         "credit_bytes": config.credit_bytes, "policy": config.policy,
                         "decompose": config.decompose, "profile_iters": config.profile_iters,
+                        "local_size": local_size_from_env(config.local_size,
+                                                          dist.get_world_size(group)),
                         "verify": config.verify, "backend": dist.get_backend(group),
                         "device type": device.type, "first request": first,
                     }, group, what="scheduler configuration")

@@ -1,0 +1,73 @@
+"""Node topology of a process group, and the sub-groups the topology-aware
+decompositions run on.
+
+Ranks are grouped into nodes of ``local_size`` consecutive ranks (torchrun numbers ranks
+node by node; ``LOCAL_WORLD_SIZE`` says how many share a node, ``COMMSCHED_LOCAL_SIZE``
+overrides it, e.g. so that 4 CPU processes act as 2 nodes of 2). For world 8, local 4:
+
+  intra groups  [0 1 2 3] [4 5 6 7]        fast links inside a node
+  inter groups  [0 4] [1 5] [2 6] [3 7]    one rank per node, same local index
+  leaders       [0 4]                      local rank 0 of every node
+
+Every rank creates every sub-group, in the same order (``new_group`` is collective over
+the default group), once per lane.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "local_size_from_env"]
+
+
+def local_size_from_env(configured: int, world: int) -> int:
+    """``configured`` if set, else the launcher's LOCAL_WORLD_SIZE, else one node."""
+    if configured:
+        return configured
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+    except ValueError:
+        return world
+
+
+class Topology:
+    """Sub-groups of ``group`` for hierarchical and leader-based decompositions."""
+
+    def __init__(self, group, local_size: int):
+        if group is not dist.group.WORLD and group != dist.group.WORLD:
+            raise ValueError("decompose hier/leader/auto: supported on the default process "
+                             "group only (sub-groups are created over it)")
+        ranks = dist.get_process_group_ranks(group)
+        world = len(ranks)
+        if local_size < 1 or world % local_size:
+            raise ValueError(f"COMMSCHED_LOCAL_SIZE={local_size}: the {world} ranks do not "
+                             f"divide into nodes of {local_size}")
+        me = dist.get_rank()
+        self.local_size = local_size
+        self.nodes = world // local_size
+        position = ranks.index(me)
+        self.node, self.local_rank = divmod(position, local_size)
+        self.intra = self.inter = self.leaders = None
+        for n in range(self.nodes):
+            members = ranks[n * local_size:(n + 1) * local_size]
+            created = dist.new_group(members)
+            if n == self.node:
+                self.intra = created
+        for i in range(local_size):
+            created = dist.new_group([ranks[n * local_size + i] for n in range(self.nodes)])
+            if i == self.local_rank:
+                self.inter = created
+        created = dist.new_group([ranks[n * local_size] for n in range(self.nodes)])
+        self.is_leader = self.local_rank == 0
+        self.leaders: Optional[object] = created if self.is_leader else None
+        self.leader_rank = ranks[self.node * local_size]     # global rank of my node's leader
+
+    def group(self, role: str):
+        return {"intra": self.intra, "inter": self.inter, "leaders": self.leaders}[role]
+
+    def __repr__(self) -> str:
+        return (f"Topology(nodes={self.nodes}, local_size={self.local_size}, "
+                f"node={self.node}, local_rank={self.local_rank})")
