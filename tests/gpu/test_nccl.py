@@ -27,6 +27,11 @@ CONFIGS = [
     commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10, profile_iters=1),
     commsched.Config(partition_bytes=100_000, credit_bytes=0, decompose="rs_ag", policy="fifo"),
     commsched.Config(partition_bytes=0, credit_bytes=0),
+    # Each GPU a node: intra-node steps on one-rank groups, the sum between "nodes".
+    commsched.Config(partition_bytes=1 << 20, credit_bytes=4 << 20, decompose="hier",
+                     local_size=1),
+    commsched.Config(partition_bytes=1 << 20, credit_bytes=4 << 20, decompose="leader",
+                     local_size=1),
 ]
 
 
