@@ -221,12 +221,21 @@ class Bench:
         self.sync()
         self.barrier()
         times = []
+        cpu0, main0 = time.process_time(), time.thread_time()
         for _ in range(self.iters):
             self.sync()
             start = time.perf_counter()
             step()
             self.sync()
             times.append((time.perf_counter() - start) * 1e3)
+        # CPU per iteration, all threads and the training thread alone: where a mode's extra
+        # time goes when the GPU is not the bottleneck.
+        self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / self.iters,
+                       (time.thread_time() - main0) * 1e3 / self.iters)
+        if os.environ.get("BENCH_PRINT_CPU") and dist.get_rank() == 0:
+            print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
+                  f"{self.cpu_ms[1]:.1f}; median {sorted(times)[len(times) // 2]:.1f} ms",
+                  flush=True)
         return times
 
 
@@ -256,6 +265,17 @@ def run_ddp_default(bench: Bench) -> Dict[str, Any]:
     if buckets is not None:
         bench.cache["buckets"] = buckets
     return {"iter_ms": times}
+
+
+def run_ddp_python_hook(bench: Bench) -> Dict[str, Any]:
+    """DDP with PyTorch's own Python all-reduce hook (default_hooks.allreduce_hook): what
+    any Python comm hook costs, the reference for the commsched hook's own overhead."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = bench.ddp(bench.build_model())
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+    return {"iter_ms": bench.time(step)}
 
 
 def run_comm_only(bench: Bench) -> Dict[str, Any]:
@@ -334,11 +354,15 @@ MODES: List[Mode] = [
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
+    Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
     Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, unbounded credit",
          lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
     Mode("ddp_commsched_route", "5c DDP + commsched hook, whole buckets, unbounded credit",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0)),
+    Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
+         lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
+                                         policy="fifo")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
