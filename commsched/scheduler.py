@@ -497,7 +497,9 @@ class _Lane:
         try:
             return self.events.pop()
         except IndexError:
-            return torch.cuda.Event(enable_timing=self.observer is not None)
+            # blocking: the completion thread sleeps in synchronize() instead of spinning
+            # (measured: a spinning wait burned ~40 ms of CPU per GPT iteration on H200).
+            return torch.cuda.Event(enable_timing=self.observer is not None, blocking=True)
 
     # ---- completion (completion thread) --------------------------------------------------
     def _completion_loop(self) -> None:
