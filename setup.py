@@ -8,8 +8,8 @@ setup(
     version="0.1.0",
     description="Priority/credit communication scheduler for PyTorch DDP and Megatron-core",
     python_requires=">=3.10",
-    packages=["commsched", "commsched.telemetry", "commsched.hooks",
-              "commsched.megatron_patches"],
+    packages=["commsched", "commsched.telemetry", "commsched.sim", "commsched.overlap",
+              "commsched.hooks", "commsched.megatron_patches"],
     package_dir={
         "commsched": "commsched",
         "commsched.hooks": "hooks",

@@ -6,6 +6,7 @@
     commsched patch-launch SCRIPT      make a Megatron-LM launch script run under commsched
     commsched report RUN_DIR           per-iteration telemetry report
     commsched trace RUN_DIR -o F       Perfetto/Chrome trace of a run
+    commsched simulate RUN_DIR ...     project a recorded run to N GPUs / other links
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _COMMANDS = {
                      "rewrite a Megatron-LM launch script to run under commsched"),
     "report": ("commsched.telemetry.report", "report_main", "telemetry report of a run"),
     "trace": ("commsched.telemetry.trace", "trace_main", "Perfetto trace of a run"),
+    "simulate": ("commsched.sim.whatif", "simulate_main",
+                 "what-if projection of a recorded run to other cluster sizes"),
 }
 
 
@@ -54,7 +57,7 @@ def _usage() -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(), file=sys.stdout if argv else sys.stderr)    # no command: an error
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     spec = _COMMANDS.get(command)
