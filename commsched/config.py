@@ -127,6 +127,21 @@ class Config:
         "collective per iteration) and report the first divergence."))
     """Debug mode: compare a digest of each iteration's dispatch sequence across ranks."""
 
+    autotune: bool = field(default=False, metadata=_env(
+        "COMMSCHED_AUTOTUNE",
+        "0 or 1: once a process group's request layout is stable, profile it, pick the "
+        "partition size, credit window (and none/rs_ag) on the simulator, run that for a "
+        "trial and keep it only if iterations got faster (commsched/autotune.py)."))
+    """Online tuning, one round per stable request layout: profile ``autotune_iters``
+    iterations, search with ``commsched.sim.tune``, try the choice, keep or revert. Every
+    switch is agreed in the collective sequence; it changes timing only, never results."""
+
+    autotune_iters: int = field(default=5, metadata=_env(
+        "COMMSCHED_AUTOTUNE_ITERS",
+        "Iterations the autotuner profiles as its baseline and measures as its trial; >= 2.",
+        minimum=2))
+    """Length of the autotuner's baseline and trial windows, in lane iterations."""
+
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
         "COMMSCHED_TELEMETRY_DIR",
         "Directory for the telemetry store (SQLite) and exports; unset disables telemetry."))

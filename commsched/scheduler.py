@@ -18,6 +18,12 @@ Per iteration the order is: the plan's chunks whose request was submitted with t
 chunk count, in plan order, then every other request's chunks in submission order. Without a
 plan (policy fifo, or warm-up) it is submission order.
 
+With ``Config.autotune`` (autotune.py) a lane's partition size, credit window and
+decomposition may change during a run. The tuner's state changes only where every rank
+passes in the same order (an iteration fully dispatched, an iteration at the head of the
+order), its cross-rank exchanges sit there in the collective sequence like the plan's, and a
+new setting applies from an iteration index agreed in that exchange, before any rank began it.
+
 Invariant 2 (completion means device completion): credit is returned and request futures
 are resolved by a completion thread per lane that blocks (GIL released) in
 ``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded after the collective
@@ -36,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
+from .autotune import Tuner
 from .config import DECOMPOSITIONS, Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
@@ -154,6 +161,12 @@ class _Lane:
         self.stopping = threading.Event()
         self.topology: Optional[Topology] = None      # created on first use, every rank
         self.events: "collections.deque" = collections.deque()
+        # --- autotune (autotune.py): the credit window of the iteration at the head of the
+        # order (the config's unless tuned); rank 0 keeps chunk records while `collecting`.
+        self.credit_bytes = self.config.credit_bytes
+        self.collecting = False
+        self.tuner: Optional[Tuner] = Tuner(self) if self.config.autotune else None
+        # --- end autotune
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
@@ -232,6 +245,8 @@ class _Lane:
             raise self.failure
         if self.observer is not None:
             self.observer.on_iteration(record)
+        if self.tuner is not None:            # autotune: decisions to the observer, unlocked
+            self.tuner.report(self.observer)
         return record
 
     def _note_layout(self, it: _Iteration) -> None:
@@ -243,6 +258,10 @@ class _Lane:
         self.stable_iters = self.stable_iters + 1 if layout == self.last_layout else 1
         self.last_layout = layout
         current = {key: nchunks for key, _, nchunks in layout}
+        if self.tuner is not None:
+            # autotune: a plan is built for a credit window too; a switched window (known
+            # here for the next iteration, see autotune.py) needs a new plan.
+            current = (current, self.tuner.settings_for(it.index + 1).credit_bytes)
         if self.planned_layout != current and self.stable_iters >= self.config.profile_iters:
             self.planned_layout = current
             t0 = it.t_first_ns
@@ -254,7 +273,7 @@ class _Lane:
     # ---- dispatch (any thread, lock held) ------------------------------------------------
     def _pump(self) -> None:
         """Dispatch as far as the order, credit and step dependencies allow."""
-        credit = self.config.credit_bytes
+        credit = self.credit_bytes
         while True:
             chunk = self.cur_chunk
             if chunk is None:
@@ -265,6 +284,9 @@ class _Lane:
                 if not it.resolved:
                     if self.verify_queue and not self._verify_sequences():
                         return
+                    if self.tuner is not None:    # autotune: may exchange, sets the credit
+                        self.tuner.at_head(it)
+                        credit = self.credit_bytes
                     if it.profile is not None:
                         self.plan = self._exchange_profile_and_plan(it.profile)
                     it.plan, it.resolved = self.plan, True
@@ -276,6 +298,8 @@ class _Lane:
                     self.dispatched_iterations = it.index + 1
                     if self.config.verify:
                         self.verify_queue.append((it.index, it.crc, it.sequence))
+                    if self.tuner is not None:    # autotune: layouts, windows, in order
+                        self.tuner.iteration_dispatched(it)
                     self.idle.notify_all()
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
@@ -338,7 +362,7 @@ class _Lane:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         values = values.tolist()
         profile = [p._replace(ready_s=v) for p, v in zip(profile, values)]
-        plan = build_plan(profile, self.config.credit_bytes, values[-1])
+        plan = build_plan(profile, self.credit_bytes, values[-1])
         if self.trace_dispatch:
             self.dispatch_log.append(("plan", len(plan.order)))
         return plan
@@ -463,7 +487,7 @@ class _Lane:
                 elif req.cross_group:
                     # The previous step ran on another group's stream: order on the device.
                     chunk.works.wait()
-                start = self._event() if self.observer is not None else None
+                start = self._event() if self.observer is not None or self.collecting else None
                 if start is not None:
                     start.record(self.launch_stream)
                 work = chunk.works = issue_step(chunk, step)
@@ -499,7 +523,8 @@ class _Lane:
         except IndexError:
             # blocking: the completion thread sleeps in synchronize() instead of spinning
             # (measured: a spinning wait burned ~40 ms of CPU per GPT iteration on H200).
-            return torch.cuda.Event(enable_timing=self.observer is not None, blocking=True)
+            timed = self.observer is not None or self.tuner is not None     # (autotune)
+            return torch.cuda.Event(enable_timing=timed, blocking=True)
 
     # ---- completion (completion thread) --------------------------------------------------
     def _completion_loop(self) -> None:
@@ -573,7 +598,7 @@ class _Lane:
                     if req.remaining == 0 and not self.cuda:
                         finished.append((req, chunk, step, None))
                         self.outstanding.pop(id(req), None)
-                if self.observer is not None:
+                if self.observer is not None or self.collecting:     # (autotune: rank 0)
                     records.append((chunk, step, start, end, error))
             if self.failure is None:
                 self._pump()
@@ -583,7 +608,11 @@ class _Lane:
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
         for chunk, step, start, end, error in records:
-            self.observer.on_chunk(self._record(chunk, step, start, end, error, t_end))
+            record = self._record(chunk, step, start, end, error, t_end)
+            if self.observer is not None:
+                self.observer.on_chunk(record)
+            if self.tuner is not None:        # autotune: rank 0's profile of device times
+                self.tuner.on_chunk(record)
         for _, _, start, end, _ in records:
             if start is not None:
                 self.events.append(start)
@@ -620,6 +649,8 @@ class _Lane:
                 self.idle.wait(left)
             if self.failure is not None:
                 raise self.failure
+        if self.tuner is not None:            # autotune: decisions to the observer, unlocked
+            self.tuner.report(self.observer)
 
     def close(self) -> None:
         self.stopping.set()
@@ -634,11 +665,11 @@ class _Lane:
 AUTO_LEADER_BELOW_BYTES = 1 << 20
 
 
-def _auto_decomposition(topology: Topology, nbytes: int, config: Config) -> str:
+def _auto_decomposition(topology: Topology, nbytes: int, partition_bytes: int) -> str:
     """``auto``: a rank-invariant choice from the request's chunk size and the topology."""
     if topology.nodes == 1:
         return "none"
-    chunk = nbytes if not config.partition_bytes else min(nbytes, config.partition_bytes)
+    chunk = nbytes if not partition_bytes else min(nbytes, partition_bytes)
     return "leader" if chunk < AUTO_LEADER_BELOW_BYTES else "hier"
 
 
@@ -696,7 +727,10 @@ class Scheduler:
         if lane.device != tensor.device:
             raise ValueError(f"tensor on {tensor.device}, but earlier requests of lane "
                              f"{lane.name} were on {lane.device}")
-        decompose = decompose if decompose is not None else self.config.decompose
+        # autotune: the settings of the iteration this request joins (autotune.py)
+        settings = lane.tuner.submit_settings() if lane.tuner is not None else self.config
+        partition_bytes = settings.partition_bytes
+        decompose = decompose if decompose is not None else settings.decompose
         if decompose not in DECOMPOSITIONS:
             raise ValueError(f"decompose={decompose!r}: expected one of "
                              f"{', '.join(DECOMPOSITIONS)}")
@@ -710,7 +744,7 @@ class Scheduler:
             topology = self._topology(lane)
             if decompose == "auto":
                 decompose = _auto_decomposition(
-                    topology, tensor.numel() * tensor.element_size(), self.config)
+                    topology, tensor.numel() * tensor.element_size(), partition_bytes)
         req = Request()
         req.key, req.tensor, req.op, req.group = key, tensor, op, group
         req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
@@ -731,7 +765,7 @@ class Scheduler:
             req.future = torch.futures.Future(devices=[tensor.device])
         else:
             req.future = torch.futures.Future()
-        req.chunks = partition(req, self.config.partition_bytes,
+        req.chunks = partition(req, partition_bytes,
                                parts_for(op, decompose, lane.world_size, topology))
         req.remaining = len(req.chunks)
         req.chunks_issued = 0
@@ -780,6 +814,15 @@ class Scheduler:
                     "bytes": lane.bytes_dispatched,
                     "peak_in_flight_bytes": lane.peak_in_flight_bytes}
 
+    def tuning_log(self, group=None) -> List[dict]:
+        """The autotuner's decisions on ``group``'s lane, oldest first (identical on every
+        rank); empty without ``Config.autotune``. Fields: see ``commsched.autotune``."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if lane is None or lane.tuner is None:
+            return []
+        with lane.lock:
+            return [dict(entry) for entry in lane.tuner.log]
+
     def dispatch_log(self, group=None) -> List[tuple]:
         """(iteration, key, chunk, step) in dispatch order; only with trace_dispatch=True."""
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
@@ -807,6 +850,7 @@ class Scheduler:
                         "local_size": local_size_from_env(config.local_size,
                                                           dist.get_world_size(group)),
                         "verify": config.verify, "backend": dist.get_backend(group),
+                        "autotune": (config.autotune, config.autotune_iters),
                         "device type": device.type, "first request": first,
                     }, group, what="scheduler configuration")
                     lane = _Lane(self, group, device, f"g{len(self._lanes)}")

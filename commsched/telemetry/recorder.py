@@ -30,7 +30,7 @@ from .errors import TelemetryWarning
 from .nvml import GpuSelector, NvmlBackend, PynvmlBackend
 from .sampler import NvlinkSampler, NvmlStatus
 from .store import create_store, json_dumps, rank_path
-from .writer import StepMarker, StoreWriter
+from .writer import StepMarker, StoreWriter, TuningDecision
 
 __all__ = ["Recorder", "open_recorder", "step", "active_recorders"]
 
@@ -92,6 +92,12 @@ class Recorder:
             self._writer.put(record)
             if self._nvtx:
                 nvtx_ranges.mark(f"commsched flush {record.lane} iteration {record.iteration}")
+
+    def on_tuning(self, entry: dict) -> None:
+        """An autotuner decision (``Scheduler.tuning_log`` entry; training thread): enqueue
+        it for the ``tuning`` table."""
+        if self._enabled:
+            self._writer.put(TuningDecision(dict(entry)))
 
     def step(self) -> None:
         """Mark the end of an application iteration (for custom training loops).

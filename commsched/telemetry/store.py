@@ -13,6 +13,8 @@ iterations         one row per lane iteration: flush, communication window, expo
                    bytes, and NVLink bytes/GB/s over the iteration's communication
 iteration_links    NVLink bytes and GB/s per lane iteration, link and direction
 app_steps          application iteration markers (``commsched.step()``)
+tuning             the autotuner's decisions (``Scheduler.tuning_log``); created by the
+                   first one, so absent from runs without ``COMMSCHED_AUTOTUNE=1``
 =================  ==========================================================================
 
 Each rank writes its own file (``rank{r}.sqlite``) so that processes never contend for
@@ -34,7 +36,8 @@ from typing import Dict, List, Optional
 
 from .errors import TelemetryError
 
-__all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "TABLES", "create_store", "rank_path",
+__all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "TABLES", "OPTIONAL_TABLES", "create_store",
+           "rank_path",
            "RunData", "load_run", "json_dumps"]
 
 SCHEMA_NAME = "commsched-telemetry"
@@ -73,6 +76,17 @@ TABLES: Dict[str, str] = {
     "iteration_links": """rank INTEGER, lane TEXT, iteration INTEGER, link INTEGER,
         direction TEXT, bytes INTEGER, gbps REAL, speed_gbps REAL, utilization REAL""",
     "app_steps": "rank INTEGER, step INTEGER, t_ns INTEGER, PRIMARY KEY (rank, step)",
+}
+
+# Tables created on first use (CREATE TABLE IF NOT EXISTS by the writer) and read when
+# present: a store written without them, or by an older commsched, stays readable.
+OPTIONAL_TABLES: Dict[str, str] = {
+    "tuning": """rank INTEGER, lane TEXT, round INTEGER, event TEXT, decided_at INTEGER,
+        iteration INTEGER, baseline_from INTEGER, trial_from INTEGER,
+        old_partition_bytes INTEGER, old_credit_bytes INTEGER, old_decompose TEXT,
+        candidate_partition_bytes INTEGER, candidate_credit_bytes INTEGER,
+        candidate_decompose TEXT, predicted_ms REAL, predicted_old_ms REAL, baseline_ms REAL,
+        trial_ms REAL, kept INTEGER""",
 }
 
 INDEXES = (
@@ -160,7 +174,7 @@ _ORDER = {
     "runs": "rank", "intra_node_topo": "link", "nvlink_metrics": "t_ns, link",
     "nvlink_health": "t_ns, link", "comm_ops": "t_end_ns, t_start_ns",
     "iterations": "lane, iteration", "iteration_links": "lane, iteration, link, direction",
-    "app_steps": "step",
+    "app_steps": "step", "tuning": "lane, decided_at",
 }
 
 
@@ -181,11 +195,14 @@ def load_run(run_dir: str) -> RunData:
     run = RunData(run_dir, files, {name: [] for name in TABLES if name != "meta"})
     for path in files:
         for name, rows in _read_file(path).items():
-            run.tables[name].extend(rows)
+            run.tables.setdefault(name, []).extend(rows)
     return run
 
 
 def _read_file(path: str) -> Dict[str, List[dict]]:
+    if not os.path.isfile(path):    # SQLite would only say "disk I/O error"
+        raise TelemetryError(f"{path}: not a telemetry store (a directory, not a file)"
+                             if os.path.isdir(path) else f"{path}: not a regular file")
     tmp = None
     try:
         conn, tmp = _connect_readonly(path)
@@ -200,6 +217,13 @@ def _read_file(path: str) -> Dict[str, List[dict]]:
             cur = conn.execute(f"SELECT * FROM {name} ORDER BY {_ORDER[name]}")
             cols = [d[0] for d in cur.description]
             out[name] = [dict(zip(cols, row)) for row in cur.fetchall()]
+        present = {row[0] for row in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        for name in OPTIONAL_TABLES:
+            if name in present:
+                cur = conn.execute(f"SELECT * FROM {name} ORDER BY {_ORDER[name]}")
+                cols = [d[0] for d in cur.description]
+                out[name] = [dict(zip(cols, row)) for row in cur.fetchall()]
         return out
     except sqlite3.DatabaseError as exc:
         raise TelemetryError(f"{path}: not a readable commsched telemetry store ({exc})") from None

@@ -26,9 +26,9 @@ from .assembly import IterationAssembler, LinkRow
 from .errors import TelemetryWarning
 from .metrics import algbw_gbps, busbw_gbps
 from .sampler import CounterSample, HealthSample, NvmlStatus
-from .store import TABLES, json_dumps
+from .store import OPTIONAL_TABLES, TABLES, json_dumps
 
-__all__ = ["StepMarker", "StoreWriter"]
+__all__ = ["StepMarker", "TuningDecision", "StoreWriter"]
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,21 @@ class StepMarker:
 
 
 @dataclass(frozen=True)
+class TuningDecision:
+    """One entry of ``Scheduler.tuning_log`` (a dict with the ``tuning`` table's columns
+    but ``rank``)."""
+
+    entry: dict
+
+
+@dataclass(frozen=True)
 class _Control:
     kind: str                   # flush | close
     done: threading.Event
 
 
 def _columns(table: str) -> List[str]:
-    spec = TABLES[table].split("PRIMARY KEY (")[0]     # the table constraint is not a column
+    spec = {**TABLES, **OPTIONAL_TABLES}[table].split("PRIMARY KEY (")[0]     # the table constraint is not a column
     return [part.split()[0] for part in spec.split(",") if part.strip()]
 
 
@@ -56,7 +64,8 @@ def _insert_sql(table: str, verb: str = "INSERT") -> str:
 
 
 _ITER_COLS = _columns("iterations")
-_SQL = {name: _insert_sql(name) for name in TABLES if name != "meta"}
+_TUNING_COLS = _columns("tuning")
+_SQL = {name: _insert_sql(name) for name in [*TABLES, *OPTIONAL_TABLES] if name != "meta"}
 _SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
 _SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 
@@ -84,6 +93,7 @@ class StoreWriter:
         self._rows = 0
         self._deadline = 0.0
         self._sample_no = 0
+        self._created = set()           # optional tables created in this store
 
     # --- producer side -----------------------------------------------------------------------
     def put(self, message: object) -> None:
@@ -201,6 +211,11 @@ class StoreWriter:
         if isinstance(msg, NvmlStatus):
             self._nvml_status(msg)
             return True
+        if isinstance(msg, TuningDecision):
+            self._create("tuning")
+            entry = dict(msg.entry, rank=self.rank)
+            self._execute("tuning", [[entry.get(c) for c in _TUNING_COLS]])
+            return True
         raise TypeError(f"unexpected telemetry message {type(msg).__name__}")
 
     def _store(self, rows: List[dict], links: List[LinkRow]) -> bool:
@@ -239,6 +254,12 @@ class StoreWriter:
             self._execute("intra_node_topo", [
                 (self.rank, self.node, gpu.index, l.link, l.state, l.version, l.speed_mbps,
                  l.remote_type, l.remote_pci_bus_id, l.peer_gpu_index) for l in s.links])
+
+    def _create(self, table: str) -> None:
+        if table not in self._created:
+            self._execute_sql(f"CREATE TABLE IF NOT EXISTS {table} ({OPTIONAL_TABLES[table]})",
+                              ())
+            self._created.add(table)
 
     def _execute_sql(self, sql: str, args: tuple) -> None:
         if not self._in_tx:

@@ -360,6 +360,9 @@ MODES: List[Mode] = [
          lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
     Mode("ddp_commsched_route", "5c DDP + commsched hook, whole buckets, unbounded credit",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0)),
+    Mode("ddp_commsched_telemetry", "5e as 5, with telemetry and NVLink sampling",
+         lambda bench: run_ddp_commsched(
+             bench, telemetry_dir=tempfile.mkdtemp(prefix="commsched-bench-telemetry-"))),
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
