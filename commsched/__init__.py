@@ -12,7 +12,17 @@ from .scheduler import Request, Scheduler, SchedulerError
 __version__ = "0.1.0"
 
 __all__ = ["Config", "ConfigError", "Scheduler", "Request", "SchedulerError", "step",
-           "__version__"]
+           "wrap", "drain", "__version__"]
+
+
+def __getattr__(name):
+    # The data-parallel mode is imported on first use: ``import commsched`` stays light
+    # for the DDP hook and the launcher.
+    if name in ("wrap", "drain"):
+        from . import overlap
+
+        return getattr(overlap, name)
+    raise AttributeError(f"module 'commsched' has no attribute {name!r}")
 
 
 def step() -> None:

@@ -222,16 +222,20 @@ class Bench:
         self.barrier()
         times = []
         cpu0, main0 = time.process_time(), time.thread_time()
+        # BENCH_WINDOW=k: synchronise only every k iterations (each sample is a window's
+        # mean), so that communication may overlap the next forward, as in training.
+        window = max(1, int(os.environ.get("BENCH_WINDOW", "1")))
         for _ in range(self.iters):
             self.sync()
             start = time.perf_counter()
-            step()
+            for _ in range(window):
+                step()
             self.sync()
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append((time.perf_counter() - start) * 1e3 / window)
         # CPU per iteration, all threads and the training thread alone: where a mode's extra
         # time goes when the GPU is not the bottleneck.
-        self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / self.iters,
-                       (time.thread_time() - main0) * 1e3 / self.iters)
+        self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / (self.iters * window),
+                       (time.thread_time() - main0) * 1e3 / (self.iters * window))
         if os.environ.get("BENCH_PRINT_CPU") and dist.get_rank() == 0:
             print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
                   f"{self.cpu_ms[1]:.1f}; median {sorted(times)[len(times) // 2]:.1f} ms",
@@ -312,12 +316,12 @@ def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
 
 
-def run_commsched_dp(bench: Bench) -> Dict[str, Any]:
+def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     """commsched's own data-parallel mode (crossing the iteration barrier)."""
     commsched = benchlib.import_commsched()
     if not hasattr(commsched, "wrap"):
         raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
-    config = commsched.Config.from_env().replace(enabled=True)
+    config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.build_model()
     model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config)
     try:
@@ -367,6 +371,8 @@ MODES: List[Mode] = [
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
+    Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
+         lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]

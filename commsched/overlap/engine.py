@@ -1,0 +1,530 @@
+"""The overlap-mode engine: gradient hooks, rank-invariant submission, deferred updates.
+
+One iteration, for layer groups g0 (first layer) .. g3 (last layer):
+
+  training thread   fwd k ──► backward k ──────────────────► step() zero_grad() fwd k+1
+  autograd hooks          g3 ready ─ g2 ready ─ g1 ready ─ g0 ready
+  submissions             sub g3 ── sub g2 ─── sub g1 ──── sub g0 ─ end_iteration
+  scheduler lane                [ar g3 ]  [ar g2 ]  [ar g1 ]   [ar g0 ]
+  fwd k+1 pre-hooks                                          g0: wait ar g0, update g0, run
+                                                             g1: wait ar g1, update g1, run ...
+  step() records the hyper-parameters and returns; the update of a group runs when the
+  group's request completed: in the forward pre-hook of the first module that needs it,
+  at step() if the request is already done, or in drain().
+
+Invariant 1 (same requests, same order, on every rank). Groups are submitted strictly in
+descending index order (the reverse of forward order, i.e. the order backward normally
+produces them): a group goes when all its parameters' gradients were accumulated AND every
+group with a higher index was submitted, as DDP's reducer does with bucket indices. At the
+end of every backward (an autograd engine callback) the groups not submitted yet — those
+holding parameters unused on this rank — are submitted in the same order, with a zero
+contribution for the missing parameters. Every synchronised backward therefore submits all
+groups, in the same order, on every rank; only the timing differs.
+
+Unused parameters (DDP with find_unused_parameters=True): each group buffer carries one
+usage flag per parameter after the gradients; it is reduced with them. A parameter that no
+rank used keeps its gradient untouched (None after zero_grad(), so the optimizer skips it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from commsched.config import Config
+from commsched.scheduler import Scheduler
+
+from .groups import LayerGroup, build_groups, grad_view_class
+from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subset,
+                     update_mode)
+
+__all__ = ["OverlapEngine", "OverlapWarning"]
+
+
+class OverlapWarning(UserWarning):
+    """Overlap mode fell back to synchronous behaviour for a reason the user can fix."""
+
+
+_UPDATE, _ZERO = "update", "zero"
+
+
+class OverlapEngine:
+    """Everything overlap mode does for one (model, optimizer) pair: the layer groups, the
+    autograd and forward hooks, the submissions to the scheduler, and the deferred
+    per-group actions (optimizer updates, zero_grad)."""
+
+    decompose = "none"
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 config: Config, group=None, *, group_bytes: int = 4 << 20,
+                 reads_grads: bool = False, broadcast_buffers: bool = True,
+                 scheduler: Optional[Scheduler] = None, observer=None):
+        if not dist.is_initialized():
+            raise RuntimeError("commsched.wrap: torch.distributed is not initialized")
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.reads_grads = reads_grads
+        self.mode = update_mode(optimizer)
+        self.recorder = None
+        if scheduler is None:
+            if observer is None and config.telemetry_dir:
+                observer = self.recorder = _open_recorder(config, module)
+            scheduler = Scheduler(config, observer)
+        self.scheduler = scheduler
+        self.groups, module_groups = build_groups(module, group_bytes)
+        if not self.groups:
+            raise ValueError("commsched.wrap: the model has no parameter that requires grad")
+        devices = {g.device for g in self.groups}
+        if len(devices) > 1:
+            raise ValueError(f"commsched.wrap: parameters on several devices "
+                             f"{sorted(map(str, devices))}; overlap mode drives one device "
+                             "per process")
+        self.params: List[torch.nn.Parameter] = [p for g in self.groups for p in g.params]
+        self.names: List[str] = [n for g in self.groups for n in g.names]
+        self.slot = [(g, j) for g in self.groups for j in range(len(g.params))]
+        self.clean = [True] * len(self.params)    # slot known to be zero
+        self.used = [False] * len(self.params)    # hook fired in this backward
+        self.view_cls = grad_view_class(self)
+
+        # Initial state from rank 0, like DDP.
+        _broadcast([p.detach() for p in module.parameters()]
+                   + [b for b in module.buffers()], group, self.src)
+        self.buffer_group = None
+        self.buffers = [b for b in module.buffers()]
+        if broadcast_buffers and self.buffers:
+            # Buffers are broadcast from the training thread at each forward, as DDP does.
+            # They get their own process group: collectives on one group must come in the
+            # same order on every rank, and the scheduler's lane issues its own from
+            # another thread at times that differ between ranks.
+            self.buffer_group = sibling_group(group)
+        self._allocate()
+        self._adopt_existing_grads()
+        self._assign_owners()
+
+        self._iter = 0          # synchronised iterations ended so far
+        self._bw = False        # inside a synchronised backward (hooks fired, callback queued)
+        self._bw_iter = -1      # iteration collected by the current backward
+        self._next = len(self.groups) - 1
+        self.sync = True        # set by the wrapper's forward: False under no_sync()
+        self._buffers_stale = True
+        self._in_update = False
+        self._warned = set()
+        self._hooks = []
+        self._register_hooks(module_groups)
+
+    # ---- layout ---------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        for g in self.groups:
+            g.allocate(self.view_cls, flags=True)
+
+    def _adopt_existing_grads(self) -> None:
+        with torch.no_grad(), _plain():
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    g, j = self.slot[i]
+                    g.grads[j].copy_(p.grad)
+                    p.grad = g.grad_views[j]
+                    self.clean[i] = False
+
+    def _assign_owners(self) -> None:
+        """Which of each group's parameters the optimizer updates, per optimizer param
+        group; optimizer parameters outside the model are 'local' (stepped at step())."""
+        owner = self._owner = params_by_group(self.optimizer)
+        in_model = set()
+        for g in self.groups:
+            by_k: Dict[int, list] = {}
+            g.owned = []
+            for p in g.params:
+                in_model.add(id(p))
+                k = owner.get(id(p))
+                g.owned.append(k is not None)
+                if k is not None:
+                    by_k.setdefault(k, []).append(p)
+            g.opt_params = sorted(by_k.items())
+            g.fully_owned = all(g.owned)
+        self.local = []
+        for k, pg in enumerate(self.optimizer.param_groups):
+            extra = [p for p in pg["params"] if id(p) not in in_model]
+            if extra:
+                self.local.append((k, extra))
+
+    def _register_hooks(self, module_groups) -> None:
+        for i, p in enumerate(self.params):
+            self._hooks.append(p.register_hook(_bind(self._grad_pre_hook, i)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_bind(self._grad_post_hook, i)))
+        for m, idx in module_groups.items():
+            groups = [self.groups[k] for k in idx]
+            self._hooks.append(m.register_forward_pre_hook(
+                _bind(self._forward_pre_hook, groups), prepend=True))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---- autograd hooks (autograd engine thread) ------------------------------------------
+    def _grad_pre_hook(self, i: int, grad):
+        """Before autograd accumulates into parameter i: its slot must be free (the last
+        iteration's request done, its update and zeroing applied), and .grad must be the
+        slot, so accumulation lands in the buffer."""
+        g, j = self.slot[i]
+        if self._bw and g.submitted_iter == self._bw_iter:
+            raise RuntimeError(
+                f"commsched overlap: parameter {self.names[i]!r} received a gradient after "
+                "its layer group was handed to communication in this backward (reentrant "
+                "checkpointing, or a parameter reached twice through separate graphs?). "
+                "Use torch.utils.checkpoint with use_reentrant=False, and no_sync() for "
+                "gradient accumulation.")
+        if g.request is not None or g.actions:
+            if any(a[0] == _UPDATE for a in g.actions):
+                raise RuntimeError(
+                    f"commsched overlap: parameter {self.names[i]!r} was used in forward "
+                    "before the pending optimizer update of its layer group was applied: it "
+                    "is used outside the forward of the module that owns it. Call "
+                    "commsched.drain(model) before such a forward, or use "
+                    "DistributedDataParallel for this model.")
+            self._settle(g)
+        self._before_accumulate(g, i)
+        p = self.params[i]
+        if p.grad is None:
+            if not self.clean[i]:
+                g.grads[j].zero_()
+            p.grad = g.grad_views[j]
+        self.clean[i] = False
+        return None
+
+    def _before_accumulate(self, g: LayerGroup, i: int) -> None:
+        """Checks of the rs_ag variant."""
+
+    def _grad_post_hook(self, i: int, param) -> None:
+        if not self.sync:
+            return
+        if not self._bw:
+            self._begin_backward()
+        if not self.used[i]:
+            self.used[i] = True
+            g, _ = self.slot[i]
+            g.ready += 1
+            if g.index == self._next and g.ready == len(g.params):
+                self._submit_ready()
+
+    def _begin_backward(self) -> None:
+        self._bw = True
+        self._bw_iter = self._iter
+        self._next = len(self.groups) - 1
+        for g in self.groups:
+            g.ready = 0
+        self.used = [False] * len(self.params)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """Autograd engine callback at the end of a synchronised backward."""
+        try:
+            self._flush()
+        finally:
+            self._bw = False
+        if self.reads_grads:
+            self.settle_all()
+
+    def _submit_ready(self) -> None:
+        while self._next >= 0:
+            g = self.groups[self._next]
+            if g.ready != len(g.params):
+                return
+            self._submit(g)
+            self._next -= 1
+        self._end_iteration()
+
+    def _flush(self) -> None:
+        """Submit every group not submitted yet in this backward, in order."""
+        if self._next < 0 or not self._bw:
+            return
+        while self._next >= 0:
+            self._submit(self.groups[self._next])
+            self._next -= 1
+        self._end_iteration()
+
+    def _prepare_submit(self, g: LayerGroup) -> None:
+        """Make the buffer hold exactly this rank's contribution: .grad if defined, else 0."""
+        first = g.first
+        for j, p in enumerate(g.params):
+            i = first + j
+            grad = p.grad
+            if grad is None:
+                if not self.clean[i]:
+                    g.grads[j].zero_()
+                    self.clean[i] = True
+            elif grad is not g.grad_views[j]:
+                with torch.no_grad(), _plain():
+                    g.grads[j].copy_(grad)
+                p.grad = g.grad_views[j]
+                self.clean[i] = False
+        g.all_used = g.ready == len(g.params)
+
+    def _submit(self, g: LayerGroup) -> None:
+        if g.request is not None or g.actions:
+            # Untouched since the last iteration (no forward or gradient reached it).
+            self._settle(g)
+        self._prepare_submit(g)
+        if g.all_used:
+            g.flags.fill_(1)
+        else:
+            used = self.used[g.first:g.first + len(g.params)]
+            g.flags.copy_(torch.tensor(used, dtype=g.dtype))
+        g.request = self.scheduler.submit(g.buffer, key=g.index, priority=g.index,
+                                          group=self.group, average=True, decompose="none")
+        g.submitted_iter = self._bw_iter
+
+    def _end_iteration(self) -> None:
+        self.scheduler.end_iteration(self.group)
+        self._iter += 1
+
+    # ---- forward (training thread) --------------------------------------------------------
+    def _forward_pre_hook(self, groups: List[LayerGroup], module, args) -> None:
+        for g in groups:
+            if g.request is not None or g.actions:
+                if self._bw and g.submitted_iter == self._bw_iter:
+                    continue        # recomputation inside this backward (checkpointing)
+                self._settle(g)
+
+    def before_forward(self, sync: bool) -> None:
+        """Called by the wrapper at the start of forward. Buffers are broadcast from rank 0
+        before a forward that follows a synchronised training forward, as DDP does."""
+        if self._buffers_stale and self.buffer_group is not None:
+            _broadcast(self.buffers, self.buffer_group, self.src)
+        grad = torch.is_grad_enabled()
+        self._buffers_stale = grad and sync
+        if grad:
+            self.sync = sync
+
+    # ---- completion and deferred actions (training thread) ---------------------------------
+    def _settle(self, g: LayerGroup) -> None:
+        """Wait for the group's request, then run its pending actions in order."""
+        req = g.request
+        if req is not None:
+            g.request = None
+            req.wait()
+            self._after_comm(g)
+        while g.actions:
+            self._run(g, g.actions.pop(0))
+
+    def _after_comm(self, g: LayerGroup) -> None:
+        if g.all_used:
+            return
+        # Some parameter got no local gradient: the reduced flags say which were used on
+        # some rank (their .grad becomes the reduced slot) and which on none (untouched).
+        used = (g.flags > 0).tolist()
+        first = g.first
+        for j, p in enumerate(g.params):
+            self.clean[first + j] = False
+            if used[j] and p.grad is None:
+                p.grad = g.grad_views[j]
+
+    def _run(self, g: LayerGroup, action) -> None:
+        kind, arg = action
+        if kind == _UPDATE:
+            self._update(g, arg)
+        else:
+            self._zero(g, arg)
+
+    def _update(self, g: LayerGroup, record: StepRecord) -> None:
+        subsets = [(k, [p for p in params if p.grad is not None]) for k, params in g.opt_params]
+        with self._update_context():
+            step_subset(self.optimizer, record, subsets)
+
+    def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
+        first = g.first
+        if g.fully_owned:
+            g.buffer.zero_()
+        for j, p in enumerate(g.params):
+            if not g.owned[j]:
+                continue
+            grad = p.grad
+            if grad is not None and grad is not g.grad_views[j]:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    with torch.no_grad(), _plain():
+                        grad.zero_()
+                continue
+            if not g.fully_owned:
+                g.grads[j].zero_()
+            self.clean[first + j] = True
+            if set_to_none:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def _update_context(self):
+        """Optimizer updates run with GradView dispatch off, outside inference mode (state
+        created lazily must be a normal tensor) and outside autocast."""
+        device = self.groups[0].device.type
+        self._in_update = True
+        try:
+            with _plain(), torch.inference_mode(False), (
+                    torch.autocast(device, enabled=False)
+                    if torch.is_autocast_enabled(device) else contextlib.nullcontext()):
+                yield
+        finally:
+            self._in_update = False
+
+    def _add_action(self, g: LayerGroup, action) -> None:
+        g.actions.append(action)
+        if g.request is None or g.request.future.done():
+            self._settle(g)
+
+    # ---- optimizer entry points (training thread) ------------------------------------------
+    def step(self, kwargs: dict) -> None:
+        self._finish_backward()
+        if self.mode != PER_GROUP:
+            self.settle_all()
+            with self._update_context():
+                self.optimizer.step(**kwargs)
+            self._recorder_step()
+            return
+        record = snapshot(self.optimizer.param_groups, kwargs)
+        for g in self.groups:
+            self._add_action(g, (_UPDATE, record))
+        if self.local:
+            with self._update_context():
+                step_subset(self.optimizer, record, self.local)
+        self._recorder_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.groups:
+            self._add_action(g, (_ZERO, set_to_none))
+        for _, params in self.local:
+            for p in params:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+    def _recorder_step(self) -> None:
+        if self.recorder is not None:
+            self.recorder.step()
+
+    # ---- synchronisation ------------------------------------------------------------------
+    def _finish_backward(self) -> None:
+        # Normally the end-of-backward callback did this; it did not if backward raised.
+        if self._bw:
+            self._flush()
+            self._bw = False
+
+    def settle_all(self) -> None:
+        for g in self.groups:
+            self._settle(g)
+
+    def drain(self) -> None:
+        """Complete all outstanding communication and pending updates."""
+        self._finish_backward()
+        self.settle_all()
+        self.scheduler.drain()
+
+    def in_flight(self) -> int:
+        """Number of layer groups whose request has not completed yet."""
+        return sum(1 for g in self.groups
+                   if g.request is not None and not g.request.future.done())
+
+    def on_grad_access(self) -> None:
+        """A gradient was read from Python (GradView): finish what is in flight first."""
+        if self._in_update or self._bw:
+            return
+        if not any(g.request is not None for g in self.groups):
+            return
+        if not self.reads_grads:
+            self._warn_once(
+                "grads",
+                "commsched overlap: gradients were read while their communication was in "
+                "flight (clip_grad_norm_, GradScaler.unscale_, logging?): waiting for all "
+                "gradient communication, so the optimizer step is synchronous and does not "
+                "overlap the next forward. Pass wrap(..., reads_grads=True) to make this "
+                "explicit and silence this warning.")
+        self.drain()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, OverlapWarning, stacklevel=3)
+
+    # ---- state dicts ----------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict:
+        self.drain()
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self.drain()
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.drain()
+        self.optimizer.add_param_group(param_group)
+        self._assign_owners()
+
+    def close(self) -> None:
+        """Drain, remove every hook and stop the scheduler's threads."""
+        self.drain()
+        self.remove_hooks()
+        self.scheduler.close()
+        if self.recorder is not None:
+            self.recorder.close()
+        for pg in self._own_groups():
+            dist.destroy_process_group(pg)
+
+    def _own_groups(self) -> list:
+        return [self.buffer_group] if self.buffer_group is not None else []
+
+
+def sibling_group(group):
+    """A new process group with the ranks of ``group`` (None: the world); collective over
+    those ranks only."""
+    if group is None:
+        return dist.new_group()
+    return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+
+
+def _bind(fn, first):
+    def bound(*args):
+        return fn(first, *args)
+    return bound
+
+
+def _plain():
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def _broadcast(tensors: List[torch.Tensor], group, src: int) -> None:
+    """Broadcast ``tensors`` from ``src``, coalesced per dtype."""
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in ts])
+            dist.broadcast(flat, src, group=group)
+            off = 0
+            for t in ts:
+                n = t.numel()
+                t.copy_(flat[off:off + n].view_as(t))
+                off += n
+
+
+def _open_recorder(config: Config, module):
+    """Telemetry recorder for this rank, or None when telemetry is unavailable."""
+    try:
+        from commsched.telemetry import open_recorder
+    except ImportError:
+        return None
+    device = next(module.parameters()).device
+    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                         local_rank=device.index or 0 if device.type == "cuda" else 0,
+                         device=device)

@@ -1,0 +1,322 @@
+"""The rs_ag variant of overlap mode (``COMMSCHED_DECOMPOSE=rs_ag``): ZeRO-1.
+
+Each layer group's gradient buffer is reduce-scattered in backward; rank r updates only
+shard r of the group's parameters (the optimizer keeps state for that shard alone, so
+optimizer memory per rank is divided by the group size); the updated shards are
+all-gathered during the next forward, in forward order, each module waiting only for its
+own group's all-gather:
+
+  group buffer (W = 2)     [ shard 0            | shard 1            ]
+  backward                 reduce_scatter: rank r receives the average of shard r
+  step / next forward      rank r: optimizer on shard r (params are views of a flat
+                           parameter buffer), then all_gather -> every rank has all shards
+  forward pre-hook of g    wait all_gather(g)   (and start g+1's if its update is done)
+
+Invariant 1: per iteration every rank submits reduce_scatter(G-1 .. 0), then one small
+all-reduce of the per-parameter usage flags ("used"), then — after step() — the
+all-gathers strictly in ascending group order (a cursor; a group's all-gather waits for
+its lower neighbours'), and all of a step's all-gathers before the next iteration's first
+reduce-scatter. Only timing differs between ranks.
+
+Requires an optimizer whose update is elementwise within a parameter (SGD, Adam(W),
+RMSprop, Adagrad, ...): a shard is a slice of a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .engine import OverlapEngine, sibling_group
+from .groups import LayerGroup
+from .update import PER_GROUP, StepRecord, is_elementwise, snapshot, step_subset
+
+__all__ = ["ZeroEngine"]
+
+
+class ZeroEngine(OverlapEngine):
+    """Overlap mode with reduce-scatter, a sharded optimizer update and all-gather."""
+
+    decompose = "rs_ag"
+
+    def __init__(self, module, optimizer, config, group=None, **kwargs):
+        if not is_elementwise(optimizer):
+            raise TypeError(
+                f"commsched overlap rs_ag: {type(optimizer).__name__} is not known to update "
+                "each element of a parameter independently, so a parameter shard cannot be "
+                "updated on its own; use decompose=none (all-reduce) with this optimizer")
+        self._round = False         # a step's all-gathers are not all submitted yet
+        self._ag_next = 0           # all-gather cursor (ascending group index)
+        self.used_request = None
+        self._used_cache: Optional[List[bool]] = None
+        super().__init__(module, optimizer, config, group, **kwargs)
+        # All-gathers run in a lane (process group) of their own. Within one lane an
+        # iteration may be dispatched by a priority plan that waits, head-of-line, for
+        # requests not submitted yet; a forward waiting for an all-gather must never wait
+        # behind a reduce-scatter of the backward that follows it.
+        self.gather_group = sibling_group(group)
+        if self.local or not all(g.fully_owned for g in self.groups):
+            raise ValueError("commsched overlap rs_ag: the optimizer must hold exactly the "
+                             "model's trainable parameters")
+        if self.mode != PER_GROUP:
+            raise TypeError("commsched overlap rs_ag needs a per-parameter optimizer")
+
+    # ---- layout ---------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        W, r = self.world_size, self.rank
+        with torch.no_grad():
+            for g in self.groups:
+                g.allocate(self.view_cls, flags=False, multiple=W)
+                g.param_buffer = torch.zeros(g.padded, dtype=g.dtype, device=g.device)
+                for off, p in zip(g.offsets, g.params):
+                    view = g.param_buffer.narrow(0, off, p.numel())
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(p.shape)
+                size = g.padded // W
+                g.shard = (r * size, (r + 1) * size)
+                g.consistent = True
+        self.used_buf = torch.zeros(len(self.params), dtype=torch.float32,
+                                    device=self.groups[0].device)
+
+    def _assign_owners(self) -> None:
+        super()._assign_owners()
+        state = self.optimizer.state
+        for g in self.groups:
+            lo, hi = g.shard
+            by_k = {}
+            for j, (off, p) in enumerate(zip(g.offsets, g.params)):
+                a, b = max(off, lo), min(off + p.numel(), hi)
+                if a >= b or not g.owned[j]:
+                    continue
+                piece = g.param_buffer.narrow(0, a, b - a)
+                piece.grad = g.buffer.narrow(0, a, b - a)
+                full = state.pop(p, None)
+                if full:        # state from before wrap (Adagrad's initial sum, a checkpoint)
+                    state[piece] = {k: _slice_state(v, p, a - off, b - off)
+                                    for k, v in full.items()}
+                by_k.setdefault(self._owner[id(p)], []).append((piece, j))
+            g.shard_params = sorted(by_k.items())
+        # Full-parameter state left over belongs to parameters sharded to other ranks.
+        for g in self.groups:
+            for p in g.params:
+                state.pop(p, None)
+
+    # ---- backward -------------------------------------------------------------------------
+    def _before_accumulate(self, g: LayerGroup, i: int) -> None:
+        if not g.consistent and self.params[i].grad is not None:
+            raise RuntimeError(
+                "commsched overlap rs_ag: a second synchronised backward accumulates into "
+                "gradients that were reduce-scattered (each rank holds only its shard). "
+                "Call optimizer.zero_grad() after each step, and use model.no_sync() for "
+                "gradient accumulation.")
+
+    def _begin_backward(self) -> None:
+        # All of the last step's all-gathers go before this iteration's reduce-scatters.
+        self._finish_round()
+        super()._begin_backward()
+
+    def _submit(self, g: LayerGroup) -> None:
+        if g.request is not None or g.actions:
+            self._settle(g)
+        self._prepare_submit(g)
+        g.request = self.scheduler.submit(g.buffer, key=("rs", g.index), priority=g.index,
+                                          op="reduce_scatter", group=self.group, average=True)
+        g.submitted_iter = self._bw_iter
+        g.consistent = False
+        g.grads_full = False
+
+    def _end_iteration(self) -> None:
+        self.used_buf.copy_(torch.tensor(self.used, dtype=torch.float32))
+        self._used_cache = None
+        self.used_request = self.scheduler.submit(self.used_buf, key="used", priority=-1,
+                                                  group=self.group)
+        super()._end_iteration()
+
+    def _after_comm(self, g: LayerGroup) -> None:
+        if g.all_used:
+            return
+        used = self._used()
+        first = g.first
+        for j, p in enumerate(g.params):
+            self.clean[first + j] = False
+            if used[first + j] and p.grad is None:
+                p.grad = g.grad_views[j]
+
+    def _used(self) -> List[bool]:
+        if self._used_cache is None:
+            self.used_request.wait()
+            self._used_cache = (self.used_buf > 0).tolist()
+        return self._used_cache
+
+    # ---- update and all-gather ------------------------------------------------------------
+    def _update(self, g: LayerGroup, record: StepRecord) -> None:
+        if g.param_request is not None:     # the last all-gather still reads this shard
+            g.param_request.wait()
+            g.param_request = None
+        subsets = [(k, [piece for piece, j in pieces if g.params[j].grad is not None])
+                   for k, pieces in g.shard_params]
+        with self._update_context():
+            step_subset(self.optimizer, record, subsets)
+        g.needs_gather = True
+
+    def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
+        super()._zero(g, set_to_none)
+        g.consistent = True
+        g.grads_full = True
+
+    def _advance(self, block_upto: int, upto: Optional[int] = None) -> None:
+        """Move the all-gather cursor: groups <= block_upto wait for their gradients;
+        groups up to ``upto`` (default: all) go only if their gradients are already in."""
+        last = len(self.groups) - 1 if upto is None else min(upto, len(self.groups) - 1)
+        while self._round and self._ag_next <= last:
+            g = self.groups[self._ag_next]
+            if g.index > block_upto and g.request is not None and not g.request.future.done():
+                return
+            self._settle(g)
+            if g.needs_gather:
+                g.needs_gather = False
+                g.param_request = self.scheduler.submit(
+                    g.param_buffer, key=("ag", g.index), priority=g.index, op="all_gather",
+                    group=self.gather_group)
+            self._ag_next += 1
+        if self._round and self._ag_next == len(self.groups):
+            self._round = False
+            self.scheduler.end_iteration(self.gather_group)
+
+    def _finish_round(self) -> None:
+        if self._round:
+            self._advance(block_upto=len(self.groups) - 1)
+
+    def _forward_pre_hook(self, groups: List[LayerGroup], module, args) -> None:
+        for g in groups:
+            if self._bw and g.submitted_iter == self._bw_iter:
+                continue
+            if self._round and self._ag_next <= g.index:
+                self._advance(block_upto=g.index, upto=g.index + 1)
+            elif g.actions and (g.request is None or g.request.future.done()):
+                self._settle(g)
+            if g.param_request is not None:
+                g.param_request.wait()
+                g.param_request = None
+
+    def _own_groups(self) -> list:
+        return super()._own_groups() + [self.gather_group]
+
+    def in_flight(self) -> int:
+        """Number of reduce-scatters and all-gathers not completed yet."""
+        return sum(1 for g in self.groups for r in (g.request, g.param_request)
+                   if r is not None and not r.future.done())
+
+    # ---- optimizer entry points -----------------------------------------------------------
+    def step(self, kwargs: dict) -> None:
+        self._finish_backward()
+        self._finish_round()
+        record = snapshot(self.optimizer.param_groups, kwargs)
+        for g in self.groups:
+            g.actions.append(("update", record))
+        self._round, self._ag_next = True, 0
+        self._advance(block_upto=-1)
+        self._recorder_step()
+
+    def drain(self) -> None:
+        self._finish_backward()
+        self.settle_all()
+        self._finish_round()
+        for g in self.groups:
+            if g.param_request is not None:
+                g.param_request.wait()
+                g.param_request = None
+        if self.used_request is not None:
+            self._used()
+        self.scheduler.drain()
+
+    def on_grad_access(self) -> None:
+        """Gradients read from Python: every rank holds only its shard of the reduced
+        gradients, so all-gather them (an all-reduce's worth of traffic) first."""
+        if self._in_update or self._bw:
+            return
+        if all(g.grads_full and g.request is None for g in self.groups):
+            return
+        if not self.reads_grads:
+            self._warn_once(
+                "grads",
+                "commsched overlap rs_ag: gradients were read while reduce-scattered "
+                "(clip_grad_norm_, GradScaler.unscale_, logging?): all-gathering them and "
+                "waiting, so this step does not overlap the next forward. Pass "
+                "wrap(..., reads_grads=True) to make this explicit and silence this warning.")
+        self._finish_round()
+        gathers = []
+        for g in self.groups:
+            self._settle(g)
+            if not g.grads_full:
+                gathers.append(self.scheduler.submit(
+                    g.buffer, key=("gather_grads", g.index), priority=g.index,
+                    op="all_gather", group=self.gather_group))
+                g.grads_full = True
+                g.consistent = True
+        self.scheduler.end_iteration(self.gather_group)
+        for req in gathers:
+            req.wait()
+
+    def _end_backward(self) -> None:
+        try:
+            self._flush()
+        finally:
+            self._bw = False
+        if self.reads_grads:
+            self.on_grad_access()
+
+    # ---- state dicts ----------------------------------------------------------------------
+    def optimizer_state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (not consolidated)."""
+        self.drain()
+        opt = self.optimizer
+        pieces = []
+        for g in self.groups:
+            for k, shard in g.shard_params:
+                for piece, j in shard:
+                    st = opt.state.get(piece, {})
+                    off = piece.storage_offset() - g.param_buffer.storage_offset()
+                    pieces.append({"param": g.names[j], "start": off - g.offsets[j],
+                                   "numel": piece.numel(),
+                                   "state": {key: (v.detach().clone()
+                                                   if isinstance(v, torch.Tensor) else v)
+                                             for key, v in st.items()}})
+        return {"rs_ag_shard": {"rank": self.rank, "world_size": self.world_size},
+                "param_groups": [{k: v for k, v in pg.items() if k != "params"}
+                                 for pg in opt.param_groups],
+                "state": pieces}
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self.drain()
+        meta = state_dict.get("rs_ag_shard")
+        if meta != {"rank": self.rank, "world_size": self.world_size}:
+            raise ValueError(f"commsched overlap rs_ag: state dict of shard {meta}, this is "
+                             f"rank {self.rank} of {self.world_size}")
+        opt = self.optimizer
+        for pg, saved in zip(opt.param_groups, state_dict["param_groups"]):
+            pg.update(saved)
+        by_key = {(s["param"], s["start"], s["numel"]): s["state"] for s in state_dict["state"]}
+        for g in self.groups:
+            for k, shard in g.shard_params:
+                for piece, j in shard:
+                    off = piece.storage_offset() - g.param_buffer.storage_offset()
+                    saved = by_key.get((g.names[j], off - g.offsets[j], piece.numel()))
+                    if saved is not None:
+                        opt.state[piece] = {key: (v.to(piece.device).clone()
+                                                  if isinstance(v, torch.Tensor) and v.dim()
+                                                  else v.clone() if isinstance(v, torch.Tensor)
+                                                  else v)
+                                            for key, v in saved.items()}
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError("commsched overlap rs_ag: add_param_group after wrap")
+
+
+def _slice_state(value, param, start: int, stop: int):
+    if isinstance(value, torch.Tensor):
+        if value.shape == param.shape:
+            return value.detach().reshape(-1)[start:stop].clone()
+        return value.detach().clone()
+    return value

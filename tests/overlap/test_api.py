@@ -1,0 +1,154 @@
+"""wrap()/drain() on one process (gloo, world size 1): API contract and clear errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commsched
+from commsched.overlap import OverlapOptimizer, drain, wrap
+from distributed import free_port
+
+
+@pytest.fixture(scope="module")
+def world1():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1):
+    model, opt = wrap(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), group_bytes=0)
+    try:
+        assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, OverlapOptimizer)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        assert opt.optimizer.param_groups[0]["lr"] == 0.05
+    finally:
+        model.close()
+
+
+def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
+    net = _mlp()
+    with pytest.raises(TypeError, match="LBFGS"):
+        wrap(net, torch.optim.LBFGS(net.parameters()))
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        with pytest.raises(TypeError, match="already wrapped"):
+            wrap(model, opt)
+    finally:
+        model.close()
+    with pytest.raises(TypeError, match="commsched.drain"):
+        drain(net)
+
+
+def test_rs_ag_rejects_optimizers_that_are_not_elementwise(world1):
+    net = _mlp()
+    with pytest.raises(TypeError, match="Adafactor"):
+        wrap(net, torch.optim.Adafactor(net.parameters()), commsched.Config(decompose="rs_ag"))
+
+
+def test_rs_ag_second_synchronised_backward_without_zero_grad_is_an_error(world1):
+    net = _mlp()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                      commsched.Config(decompose="rs_ag"), group_bytes=0)
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            model(torch.randn(3, 4)).sum().backward()
+    finally:
+        model.close()
+
+
+def test_non_reentrant_checkpointing_trains_like_the_plain_model(world1):
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(4, 8), torch.nn.Linear(8, 8),
+                                      torch.nn.Linear(8, 2))
+
+        def forward(self, x):
+            h = checkpoint(lambda t: torch.relu(self.b(torch.relu(self.a(t)))), x,
+                           use_reentrant=False)
+            return self.c(h)
+
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(0)
+    net = Net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), group_bytes=0)
+    try:
+        for step in range(5):
+            x = torch.randn(6, 4)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        drain(model)
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+def test_zero_grad_sets_grads_to_none_and_reading_them_waits(world1):
+    net = _mlp()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0,
+                      reads_grads=True)
+    try:
+        model(torch.ones(3, 4)).sum().backward()
+        grads = [p.grad.clone() for p in net.parameters()]   # averaged over 1 rank: as is
+        assert all(g is not None and g.abs().sum() > 0 for g in grads)
+        opt.step()
+        opt.zero_grad()
+        drain(model)
+        assert all(p.grad is None for p in net.parameters())
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("decompose", ["none", "rs_ag"])
+def test_checkpoint_round_trip_continues_identically(world1, decompose):
+    config = commsched.Config(decompose=decompose)
+
+    def run(model, opt, steps, seed):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            model(torch.randn(5, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    a_net = _mlp()
+    a, a_opt = wrap(a_net, torch.optim.AdamW(a_net.parameters(), lr=0.01), config,
+                    group_bytes=0)
+    b_net = _mlp()
+    b, b_opt = wrap(b_net, torch.optim.AdamW(b_net.parameters(), lr=0.01), config,
+                    group_bytes=0)
+    try:
+        run(a, a_opt, 3, seed=1)
+        b.load_state_dict(a.state_dict())                 # both drain first
+        # torch's optimizer state dicts hold references to the live state: copy
+        b_opt.load_state_dict(copy.deepcopy(a_opt.state_dict()))
+        run(a, a_opt, 2, seed=2)
+        run(b, b_opt, 2, seed=2)
+        drain(a)
+        drain(b)
+        for p, q in zip(a_net.parameters(), b_net.parameters()):
+            assert torch.equal(p, q)
+    finally:
+        a.close()
+        b.close()

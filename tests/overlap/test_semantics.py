@@ -1,0 +1,65 @@
+"""DDP semantics that overlap mode keeps: accumulation, unused and shared parameters,
+buffers, evaluation, state dicts, gradient clipping, GradScaler — each checked against
+stock DDP on 2 ranks, bitwise (see test_trajectories.py for why 2 ranks are bitwise)."""
+
+
+def _equal_to_ddp(r, keys=("loss", "seen", "final")):
+    for key in keys:
+        assert r[key] == 0.0, (key, r[key])
+
+
+def test_no_sync_accumulation_equals_ddp_no_sync(two_ranks):
+    _equal_to_ddp(two_ranks["accumulation"], ("loss", "seen", "final", "opt_state"))
+
+
+def test_unused_parameters_match_ddp_find_unused_parameters(two_ranks):
+    # layer b: used by rank 0 only in odd steps (zero contribution from rank 1);
+    # layer c: used by no rank in 2 steps of 3 (its gradient stays None: AdamW neither
+    # decays nor moves it, as with DDP(find_unused_parameters=True)).
+    _equal_to_ddp(two_ranks["unused"], ("loss", "seen", "final", "opt_state"))
+
+
+def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks):
+    # random per-rank sleeps in forward pre-hooks, gradient hooks and before step()
+    r = two_ranks["adversarial_timing"]
+    _equal_to_ddp(r)
+    assert r["in_flight"] > 0
+
+
+def test_eval_under_no_grad_sees_updated_parameters(two_ranks):
+    # a no_grad eval forward right after step()/zero_grad() applies the pending updates
+    _equal_to_ddp(two_ranks["eval_and_state_dict"], ("eval",))
+
+
+def test_state_dicts_drain_first(two_ranks):
+    # model.state_dict() and optimizer.state_dict() right after the last step()
+    _equal_to_ddp(two_ranks["eval_and_state_dict"], ("state_dict", "opt_state"))
+
+
+def test_shared_parameters_are_counted_once(two_ranks):
+    _equal_to_ddp(two_ranks["tied"], ("loss", "seen", "final", "opt_state"))
+
+
+def test_buffers_broadcast_from_rank0_like_ddp(two_ranks):
+    _equal_to_ddp(two_ranks["buffers"], ("loss", "seen", "final", "eval", "state_dict"))
+
+
+def test_clip_grad_norm_falls_back_to_a_synchronous_step_with_one_warning(two_ranks):
+    r = two_ranks["clip"]
+    _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
+    assert [row["warnings"] for row in r["ranks"]] == [1, 1]      # once in 20 steps
+    assert r["in_flight"] == 0                                    # synchronous: nothing left
+
+
+def test_reads_grads_declared_gives_the_same_result_without_warning(two_ranks):
+    r = two_ranks["clip_declared"]
+    _equal_to_ddp(r, ("loss", "seen", "final"))
+    assert r["warnings"] == 0
+
+
+def test_grad_scaler_skips_the_same_steps_as_ddp(two_ranks):
+    # rank 1's loss is inf at step 7: both skip step 7 and halve the scale
+    r = two_ranks["grad_scaler"]
+    _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
+    for row in r["ranks"]:
+        assert row["skipped"] == row["skipped_ref"] == [7]
