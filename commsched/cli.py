@@ -35,6 +35,10 @@ def env_main(argv: List[str]) -> int:
 
     from .config import ENV_VARS, Config, ConfigError
 
+    if argv in (["-h"], ["--help"]):
+        print("usage: commsched env\n\nList every COMMSCHED_* variable, its value here and "
+              "its meaning; exit 2 if a value is invalid.")
+        return 0
     if argv:
         print(f"commsched env: error: unexpected arguments {argv}", file=sys.stderr)
         return 2

@@ -31,7 +31,10 @@ _BYTE_UNITS = {
     "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
     "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
 }
-_BYTES_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+# ASCII digits only (\d would take any Unicode digit), at most 16 of them (int() of a
+# 5000-digit string raises ValueError, not a ConfigError).
+_BYTES_RE = re.compile(r"^\s*([0-9]{1,16})\s*([a-zA-Z]*)\s*$", re.ASCII)
+_INT_RE = re.compile(r"^\s*([0-9]{1,12})\s*$", re.ASCII)
 # Far above any gradient bucket; guards against typos such as 4000GiB.
 _MAX_BYTES = 1 << 40
 
@@ -55,8 +58,8 @@ def parse_bytes(text: str, name: str) -> int:
     return value
 
 
-def _env(var: str, help: str, minimum: int = 0) -> dict:
-    return {"env": var, "help": help, "min": minimum}
+def _env(var: str, help: str, minimum: int = 0, maximum: int = 1 << 40) -> dict:
+    return {"env": var, "help": help, "min": minimum, "max": maximum}
 
 
 @dataclass(frozen=True)
@@ -105,19 +108,19 @@ class Config:
     local_size: int = field(default=0, metadata=_env(
         "COMMSCHED_LOCAL_SIZE",
         "Ranks per node for hier/leader/auto; 0: the launcher's LOCAL_WORLD_SIZE (all ranks "
-        "one node when unset)."))
+        "one node when unset).", maximum=1 << 20))
     """Ranks per node for the topology-aware decompositions; 0 takes LOCAL_WORLD_SIZE."""
 
     profile_iters: int = field(default=2, metadata=_env(
         "COMMSCHED_PROFILE_ITERS",
         "Iterations run in fifo order (and profiled) before a priority plan is built; >= 1.",
-        minimum=1))
+        minimum=1, maximum=100_000))
     """Warm-up iterations, dispatched FIFO and profiled, before the first priority plan."""
 
     timeout_s: int = field(default=0, metadata=_env(
         "COMMSCHED_TIMEOUT_S",
         "Seconds a collective may run without completing before the waiting ranks get an "
-        "error naming it; 0: the process group's own timeout."))
+        "error naming it; 0: the process group's own timeout.", maximum=30 * 24 * 3600))
     """Hang detection: a chunk in flight this long without any completion is an error.
     0 takes the process group's timeout (torch's default: 30 minutes)."""
 
@@ -139,7 +142,7 @@ class Config:
     autotune_iters: int = field(default=5, metadata=_env(
         "COMMSCHED_AUTOTUNE_ITERS",
         "Iterations the autotuner profiles as its baseline and measures as its trial; >= 2.",
-        minimum=2))
+        minimum=2, maximum=100_000))
     """Length of the autotuner's baseline and trial windows, in lane iterations."""
 
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
@@ -154,7 +157,7 @@ class Config:
     telemetry_nvml_period_ms: int = field(default=100, metadata=_env(
         "COMMSCHED_TELEMETRY_NVML_PERIOD_MS",
         "NVLink counter sampling period in ms (samples are also taken at iteration "
-        "boundaries); 0 turns NVML sampling off."))
+        "boundaries); 0 turns NVML sampling off.", maximum=3_600_000))
     """Period of the NVLink counter sampler thread, in ms; 0 disables NVML sampling."""
 
     telemetry_nvml_per_link: bool = field(default=True, metadata=_env(
@@ -173,7 +176,7 @@ class Config:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int):
-                _check_int(f.name, value, minimum=f.metadata["min"])
+                _check_int(f.name, value, f.metadata["min"], f.metadata["max"])
             elif f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ConfigError(f"{f.name}={value!r}: expected True or False")
         _check_choice("policy", self.policy, POLICIES)
@@ -219,13 +222,11 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
     if f.name.endswith("_bytes"):
         return parse_bytes(raw, var)
     if f.type in ("int", int):
-        try:
-            value = int(raw.strip())
-        except ValueError:
-            raise ConfigError(f"{var}={raw!r}: expected an integer") from None
-        if value < f.metadata["min"]:
-            raise ConfigError(f"{var}={raw!r}: expected an integer >= {f.metadata['min']}")
-        return value
+        m = _INT_RE.match(raw)
+        low, high = f.metadata["min"], f.metadata["max"]
+        if not m or not low <= int(m.group(1)) <= high:
+            raise ConfigError(f"{var}={raw!r}: expected an integer from {low} to {high}")
+        return int(m.group(1))
     if f.name == "policy":
         return _choice(var, raw, POLICIES)
     if f.name == "decompose":
@@ -244,9 +245,10 @@ def _choice(var: str, raw: str, choices) -> str:
     return value
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r}: expected an integer >= {minimum}")
+def _check_int(name: str, value, minimum: int, maximum: int = 1 << 40) -> None:
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not minimum <= value <= maximum):
+        raise ConfigError(f"{name}={value!r}: expected an integer from {minimum} to {maximum}")
 
 
 def _check_choice(name: str, value, choices) -> None:

@@ -7,6 +7,7 @@ line per iteration: loss, iteration time, chunks and bytes the scheduler dispatc
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -96,8 +97,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for name in ("iters", "width", "depth", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    if args.bucket_mb <= 0:
-        parser.error("--bucket-mb must be > 0")
+    if not math.isfinite(args.bucket_mb) or args.bucket_mb <= 0:
+        parser.error("--bucket-mb must be a finite number > 0")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error("--world-size must be >= 1")
     try:
         config = Config.from_env().replace(enabled=True)
     except ConfigError as exc:
@@ -111,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "commsched_runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     args.backend = "nccl" if gpus >= 2 else "gloo"
-    world = args.world_size or (gpus if gpus >= 2 else 2)
+    world = args.world_size if args.world_size is not None else (gpus if gpus >= 2 else 2)
     if args.backend == "nccl" and world > gpus:
         parser.error(f"--world-size {world} exceeds the {gpus} visible GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

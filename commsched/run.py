@@ -55,6 +55,33 @@ def install(config: Config) -> None:
     _installed = config
 
 
+def _unrunnable(module: str) -> str:
+    """Why ``-m module`` cannot start (as ``python -m`` would say it), or "" when it can.
+
+    Only a module that cannot be found is reported here; an ImportError raised by code
+    that the module's parent packages run while being imported is the script's own error
+    and keeps its traceback. Importing the parents is what runpy does next anyway."""
+    import importlib.util
+
+    if module.startswith("."):
+        return "relative module names are not supported"
+    for name in (module, module + ".__main__"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except ValueError as exc:
+            return str(exc)
+        except ModuleNotFoundError as exc:
+            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+                return str(exc)
+            raise
+        if spec is None:
+            return (f"No module named {name!r}" if name == module else
+                    "a package without a __main__ module, so it cannot be run")
+        if spec.submodule_search_locations is None:
+            return ""           # a module; a package runs its __main__
+    return ""
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -81,6 +108,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if config.enabled:
         install(config)
     if module is not None:
+        problem = _unrunnable(module)
+        if problem:
+            print(f"commsched: error: -m {module!r}: {problem}\n{USAGE}", file=sys.stderr)
+            return 2
         sys.argv = [module] + args
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     else:

@@ -6,6 +6,7 @@ recorder work without it.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Tuple
 
 from .errors import TelemetryError
@@ -31,6 +32,8 @@ def _timeline_iterations(report: dict) -> List[int]:
 
 
 def plot_report(run: RunData, report: dict, path: str) -> None:
+    if os.path.isdir(path):     # savefig would write PATH.png next to it instead
+        raise TelemetryError(f"cannot write the plot {path}: it is a directory")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from typing import Dict, List, Optional, Tuple
 
 from .analysis import RankData, iteration_rows
@@ -209,8 +211,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(exc.code or 0)
     try:
         trace = build_trace(load_run(args.run_dir))
-        with open(args.output, "w") as f:
-            json.dump(trace, f, separators=(",", ":"))
+        _write_atomic(args.output, trace)
     except TelemetryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -221,6 +222,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{args.output}: {n} events from {len(load_ranks(trace))} ranks; "
           f"open it in https://ui.perfetto.dev")
     return 0
+
+
+def _write_atomic(path: str, trace: dict) -> None:
+    """Temp file next to ``path``, then rename: a failed write (disk full) leaves ``path``
+    as it was instead of a truncated trace. Anything but a regular file (``/dev/stdout``,
+    a FIFO, a directory) is opened and written as given."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+        return
+    path = os.path.realpath(path)       # through a symlink, as open() would write
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path),
+                               prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)      # what open(path, "w") would have given
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def load_ranks(trace: dict) -> List[int]:
