@@ -84,6 +84,7 @@ DATA_ARGS=(
 EVAL_AND_LOGGING_ARGS=(
     --log-interval 10
     --log-throughput
+    --eval-interval 1000
     --eval-iters 0
 )
 
