@@ -64,10 +64,15 @@ def test_verify_reports_the_first_divergence():
 
 
 def _dies_mid_iteration(rank, world, port, out_dir):
+    from commsched.telemetry import open_recorder
+
     os.environ["COMMSCHED_TIMEOUT_S"] = "20"
+    os.environ["COMMSCHED_TELEMETRY_DIR"] = os.path.join(out_dir, "telemetry")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    sched = Scheduler(Config.from_env())
+    config = Config.from_env()
+    recorder = open_recorder(config, rank=rank, world_size=world)
+    sched = Scheduler(config, observer=recorder)
     try:
         for it in range(5):
             if rank == 1 and it == 3:
@@ -77,6 +82,7 @@ def _dies_mid_iteration(rank, world, port, out_dir):
             for r in reqs:
                 r.wait()
     except Exception as exc:  # noqa: BLE001
+        recorder.close()
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")
         os._exit(3)
@@ -99,3 +105,11 @@ def test_a_dead_peer_is_an_error_naming_the_chunk_not_a_hang(tmp_path):
     assert "commsched:" in message and "iteration 3" in message, message
     assert "bytes" in message and "ranks [0, 1]" in message, message
     assert elapsed < 60
+    # The survivor's telemetry store is readable and records the failed chunk.
+    from commsched.telemetry import load_run
+
+    run = load_run(str(tmp_path / "telemetry"))
+    rows = [r for r in run.rows("comm_ops") if r["rank"] == 0]
+    assert any(r["ok"] for r in rows), "completed chunks before the failure are stored"
+    failed = [r for r in rows if not r["ok"]]
+    assert failed and failed[0]["iteration"] == 3, failed
