@@ -24,6 +24,12 @@ passes in the same order (an iteration fully dispatched, an iteration at the hea
 order), its cross-rank exchanges sit there in the collective sequence like the plan's, and a
 new setting applies from an iteration index agreed in that exchange, before any rank began it.
 
+Adapter contract: under a priority plan a lane may hold submitted chunks back until a
+planned request of the same iteration is submitted. An adapter must therefore not block on
+a request while requests of that iteration are still to come on the same lane; it ends the
+iteration first (``end_iteration``), or uses another process group (lane) for the requests
+it waits on mid-iteration (the data-parallel mode does this for its all-gathers).
+
 Invariant 2 (completion means device completion): credit is returned and request futures
 are resolved by a completion thread per lane that blocks (GIL released) in
 ``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded after the collective

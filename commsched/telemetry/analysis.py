@@ -200,6 +200,10 @@ def iteration_rows(data: RankData) -> List[dict]:
         exposed_ns = max(exposed) if exposed else (None if members else 0)
         bus_bytes = sum(m["bus_bytes"] or 0.0 for m in members)
         iter_ns = (t1 - t0) if t1 is not None else None
+        if exposed_ns is not None and iter_ns is not None:
+            # Communication that runs on past the next iteration's start is exposed in
+            # that iteration, not beyond this one's length (compute would go negative).
+            exposed_ns = min(exposed_ns, iter_ns)
         # NVLink window: the application iteration, or (without markers) its communication.
         if data.steps:
             w0, w1 = t0, t1
