@@ -208,8 +208,17 @@ class _Lane:
             it.by_key[req.key] = req
             self.outstanding[id(req)] = req
             self._pump()
-            failed = self._take_failed_requests() if self.failure is not None else None
-            dispatched = self._take_dispatched()
+            settled = self._collect()
+        self._settle(settled)
+
+    def _collect(self):
+        """After a pump, lock held: requests to resolve, and to fail if the lane failed."""
+        failed = self._take_failed_requests() if self.failure is not None else None
+        return failed, self._take_dispatched()
+
+    def _settle(self, settled) -> None:
+        """Lock released: resolve what was fully issued; on failure fail the rest, raise."""
+        failed, dispatched = settled
         self._resolve(dispatched)
         if failed is not None:
             self._fail_futures(failed)
@@ -243,12 +252,8 @@ class _Lane:
                 if self.failure is not None:
                     break
                 self.idle.wait()
-            failed = self._take_failed_requests() if self.failure is not None else None
-            dispatched = self._take_dispatched()
-        self._resolve(dispatched)
-        if failed is not None:
-            self._fail_futures(failed)
-            raise self.failure
+            settled = self._collect()
+        self._settle(settled)
         if self.observer is not None:
             self.observer.on_iteration(record)
         if self.tuner is not None:            # autotune: decisions to the observer, unlocked
