@@ -140,7 +140,8 @@ def test_credit_window_bounds_bytes_in_flight():
 
 
 def _adversarial_timing(rank, world, iterations, kw):
-    """Every rank sleeps random, different amounts between readiness events."""
+    """Every rank sleeps random, different amounts between readiness events (with
+    COMMSCHED_VERIFY's per-iteration cross-check in the first case)."""
     rng = random.Random(rank * 7919 + 1)
     sched = Scheduler(Config(**kw), trace_dispatch=True)
     sizes = (300, 5, 1200, 64)
@@ -166,7 +167,8 @@ def _adversarial_timing(rank, world, iterations, kw):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(policy="priority", partition_bytes=1024, credit_bytes=2048, profile_iters=1),
+    dict(policy="priority", partition_bytes=1024, credit_bytes=2048, profile_iters=1,
+         verify=True),
     dict(policy="priority", decompose="rs_ag", partition_bytes=2048, credit_bytes=4096,
          profile_iters=2),
 ])
