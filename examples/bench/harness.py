@@ -1,5 +1,5 @@
 """commsched benchmark harness: iteration time of one model under every communication mode,
-in one launch per network regime (see /work/shared/BENCHMARKS.md for the protocol).
+in one launch per network regime, following the project's benchmark protocol.
 
     python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
 
