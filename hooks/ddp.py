@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from commsched.config import Config
 from commsched.scheduler import Scheduler
+from commsched.telemetry import open_rank_recorder
 
 __all__ = ["CommschedState", "commsched_hook", "register"]
 
@@ -38,7 +39,8 @@ class CommschedState:
         config = config if config is not None else Config.from_env()
         self.recorder = None
         if observer is None and scheduler is None and config.telemetry_dir:
-            observer = self.recorder = _open_recorder(config, ddp_model)
+            observer = self.recorder = open_rank_recorder(
+                config, next(ddp_model.parameters()).device)
         self.scheduler = scheduler if scheduler is not None else Scheduler(config, observer)
         self.group = group if group is not None else getattr(ddp_model, "process_group", None)
         module = getattr(ddp_model, "module", ddp_model)
@@ -106,14 +108,3 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
     ddp_model.register_comm_hook(state, commsched_hook)
     return state
 
-
-def _open_recorder(config: Config, ddp_model):
-    """Telemetry recorder for this rank, or None when telemetry is unavailable."""
-    try:
-        from commsched.telemetry import open_recorder
-    except ImportError:
-        return None
-    device = next(ddp_model.parameters()).device
-    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                         local_rank=device.index or 0 if device.type == "cuda" else 0,
-                         device=device)

@@ -80,6 +80,7 @@ import torch.distributed as dist
 
 from commsched.config import Config
 from commsched.scheduler import Request, Scheduler
+from commsched.telemetry import open_rank_recorder
 
 from .versions import MegatronSeries
 
@@ -348,7 +349,7 @@ class Runtime:
                 if self.scheduler is None:
                     observer = self.observer
                     if observer is None and self.config.telemetry_dir:
-                        observer = self.recorder = _open_recorder(self.config, device)
+                        observer = self.recorder = open_rank_recorder(self.config, device)
                     self.scheduler = Scheduler(self.config, observer)
                     # Logged here rather than in apply(): megatron sets up logging after
                     # it imported the module that apply_on_import() patches.
@@ -377,17 +378,6 @@ def _reduction(average: bool, group, tensor: torch.Tensor):
     if tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower():
         return dist.ReduceOp.AVG, None
     return dist.ReduceOp.SUM, 1.0 / dist.get_world_size(group)
-
-
-def _open_recorder(config: Config, device: torch.device):
-    """Telemetry recorder of this rank, or None when telemetry is unavailable."""
-    try:
-        from commsched.telemetry import open_recorder
-    except ImportError:
-        return None
-    local_rank = device.index or 0 if device.type == "cuda" else 0
-    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                         local_rank=local_rank, device=device)
 
 
 def make_replacements(runtime: Runtime) -> Dict[str, Callable]:

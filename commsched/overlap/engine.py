@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from commsched.config import Config
 from commsched.scheduler import Scheduler
+from commsched.telemetry import open_rank_recorder
 
 from .groups import LayerGroup, build_groups, grad_view_class
 from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subset,
@@ -77,7 +78,8 @@ class OverlapEngine:
         self.recorder = None
         if scheduler is None:
             if observer is None and config.telemetry_dir:
-                observer = self.recorder = _open_recorder(config, module)
+                observer = self.recorder = open_rank_recorder(
+                    config, next(module.parameters()).device)
             scheduler = Scheduler(config, observer)
         self.scheduler = scheduler
         self.groups, module_groups = build_groups(module, group_bytes)
@@ -517,14 +519,3 @@ def _broadcast(tensors: List[torch.Tensor], group, src: int) -> None:
                 t.copy_(flat[off:off + n].view_as(t))
                 off += n
 
-
-def _open_recorder(config: Config, module):
-    """Telemetry recorder for this rank, or None when telemetry is unavailable."""
-    try:
-        from commsched.telemetry import open_recorder
-    except ImportError:
-        return None
-    device = next(module.parameters()).device
-    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                         local_rank=device.index or 0 if device.type == "cuda" else 0,
-                         device=device)

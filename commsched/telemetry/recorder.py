@@ -197,6 +197,16 @@ _CONFIG_KNOBS = {
 }
 
 
+def open_rank_recorder(config, device) -> "Recorder":
+    """The recorder of this process's rank in the default process group, for the tensors on
+    ``device``: what every adapter (DDP hook, data-parallel mode, Megatron) opens."""
+    import torch.distributed as dist
+
+    local_rank = (device.index or 0) if device.type == "cuda" else 0
+    return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                         local_rank=local_rank, device=device)
+
+
 def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, device=None,
                   nvml_period_ms: Optional[int] = None, nvml_per_link: Optional[bool] = None,
                   max_db_bytes: Optional[int] = None,
