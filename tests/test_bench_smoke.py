@@ -28,7 +28,7 @@ import models  # noqa: E402
 HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "bound")
 ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_python_hook",
              "ddp_commsched", "ddp_commsched_large", "ddp_commsched_route",
-             "ddp_commsched_telemetry", "ddp_commsched_route_fifo",
+             "ddp_commsched_telemetry", "ddp_commsched_autotune", "ddp_commsched_route_fifo",
              "commsched_dp", "commsched_dp_zero", "megatron_stock", "megatron_patched")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
@@ -132,6 +132,89 @@ def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
     assert bound["ratio_to_bound"] == 1.0
     assert modes["comm_only"]["buckets"] == len(modes["comm_only"]["bucket_bytes"]) >= 1
     assert is_number(modes["compute_only"]["throughput"])
+
+
+def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
+    _, document = harness_run
+    result = document["launches"][0]["runs"][0]["modes"]["ddp_commsched_autotune"]
+    assert result["status"] == "ok", result["reason"]
+    events = [entry["event"] for entry in result["tuning_log"]]
+    assert set(events) & {"keep", "revert", "unchanged", "failed"}, events
+    assert 1 <= result["settle_steps"] <= 120
+    assert set(result["tuned"]) == {"partition_bytes", "credit_bytes", "decompose"}
+
+
+@pytest.fixture(scope="module")
+def harness_options_run(tmp_path_factory):
+    """World size 3, two interleaved rounds, a two-point sweep, telemetry kept."""
+    tmp = tmp_path_factory.mktemp("bench_options")
+    out, root = tmp / "harness.json", tmp / "telemetry"
+    proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
+                                     "--iters", str(ITERS), "--world-size", "3",
+                                     "--rounds", "2", "--modes",
+                                     "compute_only,ddp_default,comm_only",
+                                     "--sweep", "64K/256K,0/0", "--telemetry-root", str(root),
+                                     "--timeout", "200", "--out", str(out)], timeout=240)
+    document = json.loads(out.read_text()) if out.exists() else None
+    return proc, document, root
+
+
+def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
+    proc, document, root = harness_options_run
+    assert proc.returncode == 0, explain(proc)
+    assert document["settings"]["world_size"] == 3 and document["settings"]["rounds"] == 2
+    [run] = document["launches"][0]["runs"]
+    assert run["items_per_step"] == 3 * 2 * 64          # 3 ranks x micro-batch 2 x seq 64
+    modes = run["modes"]
+    for name in ("compute_only", "ddp_default", "sweep_p64K_c256K", "sweep_p0_c0"):
+        assert modes[name]["status"] == "ok", modes[name]["reason"]
+        assert len(modes[name]["iter_ms"]) == 2 * ITERS, name
+        assert len(modes[name]["round_medians_ms"]) == 2, name
+    config = modes["sweep_p64K_c256K"]["commsched_config"]
+    assert (config["partition_bytes"], config["credit_bytes"]) == (64 << 10, 256 << 10)
+    assert modes["ddp_commsched"]["status"] == "n/a"
+    table = proc.stdout[proc.stdout.index("| regime |"):]
+    assert "partition 64K, credit 256K" in table and "not selected" not in table
+    # One telemetry run directory per sweep point and round, each readable by the report.
+    dirs = sorted(p.name for p in root.iterdir())
+    assert dirs == ["nvlink_w3_sweep_p0_c0", "nvlink_w3_sweep_p0_c0_r2",
+                    "nvlink_w3_sweep_p64K_c256K", "nvlink_w3_sweep_p64K_c256K_r2"]
+    report = subprocess.run([sys.executable, "-m", "commsched", "report", "--json",
+                             str(root / dirs[2])], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    rows = json.loads(report.stdout)["rows"]
+    assert {row["rank"] for row in rows} == {0, 1, 2}
+    assert all(row["bytes"] > 0 for row in rows)
+
+
+def test_harness_rejects_bad_options_naming_the_flag():
+    for args, flag in ((["--world-size", "1"], "--world-size"), (["--rounds", "0"], "--rounds"),
+                       (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep")):
+        proc = run_script("harness.py", ["--cpu", *args], timeout=60)
+        assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_merge_round_pools_samples_and_keeps_the_largest_peak():
+    a = {"status": "ok", "iter_ms": [1.0, 3.0], "median_ms": 2.0, "peak_mem_bytes": 5,
+         "peak_mem_bytes_max_rank": 6, "throughput": 10.0}
+    a.update(harness.summarize_ms(a["iter_ms"]))
+    b = {"status": "ok", "iter_ms": [5.0, 7.0], "peak_mem_bytes": 9,
+         "peak_mem_bytes_max_rank": 4, "throughput": 4.0}
+    b.update(harness.summarize_ms(b["iter_ms"]))
+    merged = harness.merge_round(harness.merge_round(None, a), b)
+    assert merged["iter_ms"] == [1.0, 3.0, 5.0, 7.0]
+    assert merged["median_ms"] == 4.0 and merged["round_medians_ms"] == [2.0, 6.0]
+    assert (merged["peak_mem_bytes"], merged["peak_mem_bytes_max_rank"]) == (9, 6)
+    failed = {"status": "error", "reason": "x"}
+    assert harness.merge_round(merged, failed) is failed
+
+
+def test_parse_bytes():
+    assert [harness.parse_bytes(t) for t in ("0", "65536", "512K", "4M", "1G", "4MiB")] == [
+        0, 65536, 512 << 10, 4 << 20, 1 << 30, 4 << 20]
+    with pytest.raises(ValueError):
+        harness.parse_bytes("4X")
 
 
 # --- micro-benchmark ----------------------------------------------------------------------

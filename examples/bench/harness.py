@@ -3,7 +3,7 @@ in one launch per network regime, following the project's benchmark protocol.
 
     python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
 
-For each regime the harness spawns its own 2 workers (NCCL on GPUs when CUDA has a GPU per
+For each regime the harness spawns its own workers (``--world-size``, default 2) (NCCL on GPUs when CUDA has a GPU per
 worker, else gloo on CPU, which is only meant for the smoke test), sets the regime's NCCL
 environment before the process group starts, and for each model runs every mode of
 ``MODES`` in turn, rebuilding the model from the same seed for each (same weights, and
@@ -13,6 +13,18 @@ a mode that fails (out of memory, an exception) is reported "error" and the run 
 Output: a JSON document (``--out``) with the system, the environment, per-mode statistics
 and per-iteration times, and a markdown table printed last on stdout. The exit status is 0
 when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung.
+
+Measurement options:
+
+* ``--rounds R`` runs the selected modes R times, interleaved (A B A B ...), and pools each
+  mode's samples: slow drift of the machine (clocks, host load) then falls on every mode
+  alike, which is what a comparison of two close modes (telemetry on and off) needs.
+* ``--telemetry-root DIR`` keeps the telemetry of every mode that records it in
+  ``DIR/<regime>_w<world size>_<mode>`` (``commsched report`` / ``commsched.sim.validate``
+  read them); without it they go to temporary directories.
+* ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
+  suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
+  telemetry on: the runs the simulator is validated on.
 
 Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
 line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
@@ -31,7 +43,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import benchlib  # first: puts the checkout on sys.path
 from benchlib import ModeUnavailable, close_quietly, fmt, summarize_ms
@@ -44,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import models
 
-WORLD_SIZE = 2
+DEFAULT_WORLD_SIZE = 2
 SEED = 1234
 DDP_BUCKET_CAP_MB = 25  # DDP's default cap; used by the bucket estimate, never passed to DDP
 
@@ -155,15 +167,32 @@ class Bench:
     """Per-worker context handed to every mode: rank, device, workload, timing settings, and
     a cache shared by the modes of one workload (DDP's bucket sizes)."""
 
-    def __init__(self, rank: int, backend: str, workload: Workload, warmup: int, iters: int):
+    def __init__(self, rank: int, world_size: int, backend: str, workload: Workload,
+                 warmup: int, iters: int, telemetry_root: Optional[str] = None,
+                 regime: str = ""):
         self.rank = rank
+        self.world_size = world_size
         self.backend = backend
         self.cuda = backend == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
         self.workload = workload
         self.warmup = warmup
         self.iters = iters
+        self.telemetry_root = telemetry_root
+        self.regime = regime
         self.cache: Dict[str, Any] = {}
+
+    def telemetry_dir(self, mode_name: str) -> str:
+        """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
+        directory per round), else a temporary directory."""
+        if not self.telemetry_root:
+            return tempfile.mkdtemp(prefix=f"commsched-bench-{mode_name}-")
+        base = Path(self.telemetry_root) / f"{self.regime}_w{self.world_size}_{mode_name}"
+        path, n = base, 1
+        while path.exists():  # another round of the same mode
+            n += 1
+            path = base.with_name(f"{base.name}_r{n}")
+        return str(path)
 
     def build_model(self) -> nn.Module:
         """The workload's model on this device, from the same seed every time."""
@@ -316,6 +345,54 @@ def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
 
 
+def run_ddp_commsched_autotune(bench: Bench, max_settle: int = 120) -> Dict[str, Any]:
+    """The commsched hook with the online tuner and telemetry on. After the warm-up, steps
+    run untimed until the tuner has judged its trial (keep / revert / unchanged / failed;
+    at most ``max_settle`` steps), then the timed iterations measure what it settled on."""
+    commsched = benchlib.import_commsched()
+    hooks = benchlib.import_commsched_hooks()
+    config = commsched.Config.from_env().replace(
+        enabled=True, autotune=True,
+        telemetry_dir=bench.telemetry_dir("ddp_commsched_autotune"))
+    model = bench.ddp(bench.build_model())
+    state = hooks.register(model, config=config)
+    final = ("keep", "revert", "unchanged", "failed")
+    try:
+        step = bench.train_step(model, bench.optimizer(model.parameters()))
+        settle = 0
+        while settle < max_settle:
+            step()
+            settle += 1
+            # Every rank reads the same log (the tuner's decisions are rank-invariant), so
+            # every rank leaves this loop at the same step.
+            if any(e["event"] in final for e in state.scheduler.tuning_log()):
+                break
+        bench.sync()
+        times = bench.time(step)
+        log = state.scheduler.tuning_log()
+    finally:
+        close_quietly(state, getattr(state, "recorder", None))
+    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
+            "settle_steps": settle, "tuning_log": log,
+            "tuned": _tuned_setting(log, config)}
+
+
+def _tuned_setting(log: List[dict], config) -> Dict[str, Any]:
+    """The setting in force after the tuner's decisions."""
+    tuned = {"partition_bytes": config.partition_bytes, "credit_bytes": config.credit_bytes,
+             "decompose": config.decompose}
+    for entry in log:
+        if entry["event"] in ("trial", "keep") and entry["candidate_partition_bytes"] is not None:
+            tuned = {"partition_bytes": entry["candidate_partition_bytes"],
+                     "credit_bytes": entry["candidate_credit_bytes"],
+                     "decompose": entry["candidate_decompose"]}
+        elif entry["event"] in ("revert", "abandoned"):
+            tuned = {"partition_bytes": entry["old_partition_bytes"],
+                     "credit_bytes": entry["old_credit_bytes"],
+                     "decompose": entry["old_decompose"]}
+    return tuned
+
+
 def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     """commsched's own data-parallel mode (crossing the iteration barrier)."""
     commsched = benchlib.import_commsched()
@@ -366,7 +443,9 @@ MODES: List[Mode] = [
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0)),
     Mode("ddp_commsched_telemetry", "5e as 5, with telemetry and NVLink sampling",
          lambda bench: run_ddp_commsched(
-             bench, telemetry_dir=tempfile.mkdtemp(prefix="commsched-bench-telemetry-"))),
+             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry"))),
+    Mode("ddp_commsched_autotune", "5f as 5e, COMMSCHED_AUTOTUNE=1 (timed once settled)",
+         lambda bench: run_ddp_commsched_autotune(bench)),
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
@@ -377,6 +456,45 @@ MODES: List[Mode] = [
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
 MODE_NAMES = [m.name for m in MODES]
+NOT_SELECTED = "not selected (--modes)"
+
+
+def parse_bytes(text: str) -> int:
+    """``"4M"`` -> 4194304; K, M, G are powers of 1024; a plain number is bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit():
+        raise ValueError(f"{text!r} is not a byte count (e.g. 0, 65536, 512K, 4M)")
+    return int(digits) * scale
+
+
+def _short_bytes(n: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
+    """One mode per (partition, credit): the commsched hook with that setting, telemetry
+    on (``--sweep``)."""
+    modes = []
+    for partition, credit in pairs:
+        name = f"sweep_p{_short_bytes(partition)}_c{_short_bytes(credit)}"
+        label = (f"5s hook, partition {_short_bytes(partition) if partition else 'off'}, "
+                 f"credit {_short_bytes(credit) if credit else 'unbounded'}, telemetry")
+
+        def run(bench: Bench, partition=partition, credit=credit, name=name):
+            return run_ddp_commsched(bench, partition_bytes=partition, credit_bytes=credit,
+                                     telemetry_dir=bench.telemetry_dir(name))
+        modes.append(Mode(name, label, run))
+    return modes
+
+
+def mode_table(sweep: Sequence[Tuple[int, int]] = ()) -> List[Mode]:
+    """Every mode of a launch, in table order: ``MODES`` then the sweep's."""
+    return [*MODES, *sweep_modes(sweep)]
 
 
 def ddp_bucket_bytes(model: DDP) -> Optional[Tuple[List[int], str]]:
@@ -443,11 +561,15 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(bench.device)
     failed = 0
+    bench.cpu_ms = None
     try:
         measured = mode.run(bench)
         result = empty_result(mode, "ok", None)
         result.update(summarize_ms(measured["iter_ms"]))
         result.update(measured)
+        if bench.cpu_ms is not None:
+            result["cpu_ms_per_iter"] = {"process": bench.cpu_ms[0],
+                                         "training_thread": bench.cpu_ms[1]}
     except ModeUnavailable as exc:
         result = empty_result(mode, "n/a", str(exc))
     except Exception as exc:  # noqa: BLE001 - OOM or a bug in a mode: report it, go on
@@ -472,17 +594,18 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         result["peak_mem_bytes"] = peak
         result["peak_mem_bytes_max_rank"] = int(flags[1].item())
     if result["status"] == "ok" and result["median_ms"] and mode.name != "comm_only":
-        result["throughput"] = (bench.workload.items_per_rank * WORLD_SIZE
+        result["throughput"] = (bench.workload.items_per_rank * bench.world_size
                                 / (result["median_ms"] / 1e3))
         result["throughput_unit"] = f"{bench.workload.unit}/s"
     return result
 
 
-def finish_run(run: Dict[str, Any]) -> Dict[str, Any]:
-    """Fill in missing modes as errors, derive the bound (max of compute only and comm only)
-    and every mode's ratio to it, and put the modes in table order. Idempotent."""
+def finish_run(run: Dict[str, Any], table: Sequence[Mode] = MODES) -> Dict[str, Any]:
+    """Fill in missing modes (of ``table``) as errors, derive the bound (max of compute only
+    and comm only) and every mode's ratio to it, and put the modes in table order.
+    Idempotent."""
     modes = run.setdefault("modes", {})
-    for mode in MODES:
+    for mode in table:
         if mode.name not in modes and mode.run is not None:
             modes[mode.name] = empty_result(
                 mode, "error", run.get("failure") or "not run (worker ended early)")
@@ -501,8 +624,35 @@ def finish_run(run: Dict[str, Any]) -> Dict[str, Any]:
     for result in modes.values():
         if result["status"] == "ok" and bound["status"] == "ok":
             result["ratio_to_bound"] = result["median_ms"] / bound["median_ms"]
-    run["modes"] = {name: modes[name] for name in MODE_NAMES}
+    run["modes"] = {m.name: modes[m.name] for m in table}
     return run
+
+
+def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
+                ) -> Dict[str, Any]:
+    """Pool a mode's samples over rounds (``--rounds``): all iterations' times, the median
+    of each round, the largest peak memory; a failed round makes the mode failed."""
+    if result["status"] == "ok":
+        result["round_medians_ms"] = [result["median_ms"]]
+    if previous is None:
+        return result
+    if previous["status"] != "ok" or result["status"] != "ok":
+        return previous if previous["status"] == "error" else result
+    merged = dict(result)
+    merged["iter_ms"] = previous["iter_ms"] + result["iter_ms"]
+    merged.update(summarize_ms(merged["iter_ms"]))
+    merged["round_medians_ms"] = previous["round_medians_ms"] + [result["median_ms"]]
+    for key in ("peak_mem_bytes", "peak_mem_bytes_max_rank"):
+        if previous.get(key) is not None and result.get(key) is not None:
+            merged[key] = max(previous[key], result[key])
+    if previous.get("cpu_ms_per_iter") and result.get("cpu_ms_per_iter"):
+        rounds = len(previous["round_medians_ms"])
+        merged["cpu_ms_per_iter"] = {
+            k: (previous["cpu_ms_per_iter"][k] * rounds + v) / (rounds + 1)
+            for k, v in result["cpu_ms_per_iter"].items()}
+    if result.get("throughput"):
+        merged["throughput"] = result["throughput"] * result["median_ms"] / merged["median_ms"]
+    return merged
 
 
 def progress_line(regime: str, model: str, result: Dict[str, Any]) -> str:
@@ -533,6 +683,13 @@ class LaunchSpec:
     backend: str
     collective_timeout_s: float
     result_path: str
+    world_size: int = DEFAULT_WORLD_SIZE
+    rounds: int = 1
+    sweep: Tuple[Tuple[int, int], ...] = ()
+    telemetry_root: Optional[str] = None
+
+    def table(self) -> List[Mode]:
+        return mode_table(self.sweep)
 
 
 def worker(rank: int, spec: LaunchSpec) -> None:
@@ -543,11 +700,11 @@ def worker(rank: int, spec: LaunchSpec) -> None:
         sys.setswitchinterval(float(interval_us) * 1e-6)
     apply_regime_env(spec.regime)
     if spec.backend == "gloo":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD_SIZE))
-    benchlib.init_process_group(rank, WORLD_SIZE, spec.port, spec.backend,
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    benchlib.init_process_group(rank, spec.world_size, spec.port, spec.backend,
                                 spec.collective_timeout_s)
     doc: Dict[str, Any] = {
-        "regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+        "regime": spec.regime, "backend": spec.backend, "world_size": spec.world_size,
         "device": "cuda" if spec.backend == "nccl" else "cpu",
         "env": benchlib.relevant_env(), "system": benchlib.system_info() if rank == 0 else {},
         "runs": [],
@@ -555,14 +712,15 @@ def worker(rank: int, spec: LaunchSpec) -> None:
     try:
         for model_name in spec.models:
             workload = WORKLOADS[model_name](spec.quick)
-            bench = Bench(rank, spec.backend, workload, spec.warmup, spec.iters)
+            bench = Bench(rank, spec.world_size, spec.backend, workload, spec.warmup,
+                          spec.iters, spec.telemetry_root, spec.regime)
             if bench.cuda:
                 torch.backends.cudnn.benchmark = workload.unit == "images"
             with torch.device("meta"):
                 params = models.count_parameters(workload.build())
             run = {"regime": spec.regime, "model": model_name, "workload": workload.shape,
                    "params": params, "unit": workload.unit,
-                   "items_per_step": workload.items_per_rank * WORLD_SIZE,
+                   "items_per_step": workload.items_per_rank * spec.world_size,
                    "autocast": "bf16" if bench.cuda else "none (fp32 on CPU)",
                    "optimizer": workload.optimizer, "modes": {}}
             doc["runs"].append(run)
@@ -570,18 +728,25 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                 print(f"[bench] {spec.regime} {model_name}: {params / 1e6:.1f}M parameters, "
                       f"{run['items_per_step']} {workload.unit}/step, backend "
                       f"{spec.backend}", flush=True)
-            for mode in MODES:
-                if mode.run is None:
-                    continue
-                if mode.name not in spec.modes:
-                    result = empty_result(mode, "n/a", "not selected (--modes)")
-                else:
-                    result = run_mode(bench, mode)
-                run["modes"][mode.name] = result
-                if rank == 0:
-                    print(progress_line(spec.regime, model_name, result), flush=True)
-                    benchlib.write_json(Path(spec.result_path), doc)
-            finish_run(run)
+            table = spec.table()
+            for round_ in range(spec.rounds):
+                if rank == 0 and spec.rounds > 1:
+                    print(f"[bench] {spec.regime} {model_name}: round {round_ + 1} of "
+                          f"{spec.rounds}", flush=True)
+                for mode in table:
+                    if mode.run is None:
+                        continue
+                    if mode.name not in spec.modes:
+                        result = empty_result(mode, "n/a", NOT_SELECTED)
+                    else:
+                        result = run_mode(bench, mode)
+                    if rank == 0:
+                        print(progress_line(spec.regime, model_name, result), flush=True)
+                    run["modes"][mode.name] = merge_round(
+                        run["modes"].get(mode.name) if round_ else None, result)
+                    if rank == 0:
+                        benchlib.write_json(Path(spec.result_path), doc)
+            finish_run(run, table)
             if rank == 0:
                 print(progress_line(spec.regime, model_name, run["modes"]["bound"]),
                       flush=True)
@@ -597,12 +762,12 @@ def worker(rank: int, spec: LaunchSpec) -> None:
 def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
     """Spawn the workers of one regime and return their document, completed with errors
     for whatever a crashed or hung launch did not measure."""
-    print(f"[bench] regime {spec.regime}: spawning {WORLD_SIZE} workers ({spec.backend}), "
+    print(f"[bench] regime {spec.regime}: spawning {spec.world_size} workers ({spec.backend}), "
           f"models {', '.join(spec.models)}", flush=True)
-    outcome = benchlib.launch(worker, (spec,), WORLD_SIZE, timeout_s)
+    outcome = benchlib.launch(worker, (spec,), spec.world_size, timeout_s)
     path = Path(spec.result_path)
     doc = json.loads(path.read_text()) if path.exists() else {
-        "regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+        "regime": spec.regime, "backend": spec.backend, "world_size": spec.world_size,
         "env": {}, "system": {}, "runs": []}
     doc["status"] = "ok" if outcome.ok else "error"
     doc["error"] = outcome.error
@@ -614,12 +779,13 @@ def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
             doc["runs"].append({"regime": spec.regime, "model": model_name,
                                 "workload": workload.shape, "params": None,
                                 "unit": workload.unit,
-                                "items_per_step": workload.items_per_rank * WORLD_SIZE,
+                                "items_per_step": workload.items_per_rank * spec.world_size,
                                 "modes": {}})
     for run in doc["runs"]:
-        if not outcome.ok and any(m.run and m.name not in run["modes"] for m in MODES):
+        if not outcome.ok and any(m.run and m.name not in run["modes"]
+                                  for m in spec.table()):
             run["failure"] = f"not run: {outcome.error}"
-        finish_run(run)
+        finish_run(run, spec.table())
     return doc
 
 
@@ -631,6 +797,8 @@ def results_table(document: Dict[str, Any]) -> str:
     for launch in document["launches"]:
         for run in launch["runs"]:
             for result in run["modes"].values():
+                if result["status"] == "n/a" and result["reason"] == NOT_SELECTED:
+                    continue  # in the JSON; the table keeps to what was asked for
                 rows.append([run["regime"], run["model"], result["label"],
                              fmt(result["median_ms"], 2), _spread(result),
                              fmt(result["ratio_to_bound"], 2), _throughput(result),
@@ -663,6 +831,11 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
                 f"({result['bucket_source']})")
     if result["name"] == "bound":
         return f"limited by {result['limited_by']}"
+    tuned = result.get("tuned")
+    if tuned:
+        return (f"tuned: partition {tuned['partition_bytes'] >> 10} KiB, credit "
+                f"{tuned['credit_bytes'] >> 10} KiB, {tuned['decompose']} after "
+                f"{result['settle_steps']} steps")
     config = result.get("commsched_config")
     if config:
         return (f"partition {config['partition_bytes'] >> 10} KiB, credit "
@@ -680,7 +853,9 @@ def headline(document: Dict[str, Any]) -> str:
         card = f"CPU ({system.get('cpu_count')} cores), gloo - smoke run, not a benchmark"
     return (f"commsched benchmark: {card}, torch {system.get('torch')}; warmup "
             f"{settings['warmup']}, {settings['iters']} timed iterations"
-            f"{', quick models' if settings['quick'] else ''}")
+            + (f" x {settings['rounds']} interleaved rounds" if settings.get("rounds", 1) > 1
+               else "")
+            + f"{', quick models' if settings['quick'] else ''}")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -696,7 +871,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations per mode (default 30; 3 with --quick)")
     parser.add_argument("--modes", default="all",
-                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'bound')}")
+                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'bound')} "
+                             "(the --sweep modes are added to it)")
+    parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
+                        help="workers per launch, one GPU each with NCCL (default 2)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the selected modes this many times, interleaved, and pool "
+                             "each mode's samples (default 1)")
+    parser.add_argument("--sweep", default="",
+                        help="comma-separated PARTITION/CREDIT byte pairs (K/M/G suffixes, 0 = "
+                             "off/unbounded), e.g. 1M/4M,4M/16M: one hook mode each, with "
+                             "telemetry")
+    parser.add_argument("--telemetry-root", default=None,
+                        help="keep each telemetry-recording mode's run directory under this "
+                             "directory (default: temporary directories)")
     parser.add_argument("--out", default="bench_results.json", help="JSON output path")
     parser.add_argument("--cpu", action="store_true", help="force gloo on CPU")
     parser.add_argument("--timeout", type=float, default=560.0,
@@ -713,29 +901,50 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         m.strip() for m in args.model.split(",") if m.strip())
     if not args.models or set(args.models) - set(WORKLOADS):
         parser.error(f"--model {args.model!r}: choose from {', '.join(WORKLOADS)}, all")
+    if args.world_size < 2:
+        parser.error(f"--world-size {args.world_size}: must be >= 2")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be >= 1")
+    try:
+        args.sweep = tuple(_parse_pair(p) for p in args.sweep.split(",") if p.strip())
+    except ValueError as exc:
+        parser.error(f"--sweep {args.sweep!r}: {exc}")
+    sweep_names = [m.name for m in sweep_modes(args.sweep)]
+    if len(set(sweep_names)) != len(sweep_names):
+        parser.error(f"--sweep {args.sweep!r}: a pair is given twice")
     measured = [n for n in MODE_NAMES if n != "bound"]
     args.modes = measured if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
     unknown = set(args.modes) - set(measured)
     if unknown:
         parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {measured}")
+    args.modes += sweep_names
     return args
+
+
+def _parse_pair(text: str) -> Tuple[int, int]:
+    parts = text.split("/")
+    if len(parts) != 2:
+        raise ValueError(f"{text.strip()!r} is not PARTITION/CREDIT")
+    return parse_bytes(parts[0]), parse_bytes(parts[1])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     models_ = args.models
     regimes = tuple(REGIMES) if args.regime == "all" else (args.regime,)
-    backend = benchlib.choose_backend(args.cpu, WORLD_SIZE)
+    backend = benchlib.choose_backend(args.cpu, args.world_size)
     if backend == "gloo":
-        print("[bench] fewer than 2 GPUs (or --cpu): gloo on CPU; numbers are not a "
-              "benchmark", flush=True)
+        print(f"[bench] fewer than {args.world_size} GPUs (or --cpu): gloo on CPU; numbers "
+              "are not a benchmark", flush=True)
     document: Dict[str, Any] = {
         "schema": "commsched.bench.harness/1",
         "created_utc": benchlib.utc_now(),
         "command": [sys.executable, *sys.argv],
         "settings": {"models": list(models_), "regimes": list(regimes),
                      "modes": list(args.modes), "quick": args.quick, "warmup": args.warmup,
-                     "iters": args.iters, "world_size": WORLD_SIZE, "backend": backend,
+                     "iters": args.iters, "world_size": args.world_size, "rounds": args.rounds,
+                     "sweep": [list(p) for p in args.sweep],
+                     "telemetry_root": args.telemetry_root, "backend": backend,
                      "ddp_bucket_cap_mb": DDP_BUCKET_CAP_MB, "seed": SEED},
         "parent_env": benchlib.relevant_env(),
         "system": {},
@@ -746,7 +955,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for regime in regimes:
             spec = LaunchSpec(regime, models_, tuple(args.modes), args.quick, args.warmup,
                               args.iters, benchlib.free_port(), backend,
-                              args.collective_timeout, str(Path(tmp) / f"{regime}.json"))
+                              args.collective_timeout, str(Path(tmp) / f"{regime}.json"),
+                              args.world_size, args.rounds, args.sweep, args.telemetry_root)
             remaining = deadline - time.monotonic()
             if remaining < 20:
                 launch_doc = run_launch_skipped(spec, "time budget (--timeout) used up")
@@ -773,7 +983,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def run_launch_skipped(spec: LaunchSpec, reason: str) -> Dict[str, Any]:
     """The document of a launch that was not started."""
-    doc = {"regime": spec.regime, "backend": spec.backend, "world_size": WORLD_SIZE,
+    doc = {"regime": spec.regime, "backend": spec.backend, "world_size": spec.world_size,
            "env": {}, "system": {}, "runs": [], "status": "error", "error": reason,
            "wall_s": 0.0}
     for model_name in spec.models:
@@ -781,8 +991,8 @@ def run_launch_skipped(spec: LaunchSpec, reason: str) -> Dict[str, Any]:
         doc["runs"].append(finish_run({
             "regime": spec.regime, "model": model_name, "workload": workload.shape,
             "params": None, "unit": workload.unit,
-            "items_per_step": workload.items_per_rank * WORLD_SIZE,
-            "failure": f"not run: {reason}", "modes": {}}))
+            "items_per_step": workload.items_per_rank * spec.world_size,
+            "failure": f"not run: {reason}", "modes": {}}, spec.table()))
     return doc
 
 
