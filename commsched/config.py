@@ -101,7 +101,8 @@ class Config:
         "How an all-reduce chunk is run: none (one all-reduce), rs_ag (reduce-scatter then "
         "all-gather), hier (intra-node reduce-scatter, inter-node all-reduce of each "
         "shard, intra-node all-gather), leader (reduce to a node leader, all-reduce among "
-        "leaders, broadcast), auto (per chunk, by size and topology)."))
+        "leaders, broadcast), auto (per chunk size, the fastest of none/hier/leader as timed "
+        "once at the first request; none on one node)."))
     """Decomposition of all-reduce chunks: ``none``, ``rs_ag``, ``hier``, ``leader`` or
     ``auto``. The topology-aware ones run on the default process group."""
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
 from .autotune import Tuner
+from .calibrate import calibrate, static_choice
 from .config import DECOMPOSITIONS, Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
@@ -671,17 +672,21 @@ class _Lane:
         self.thread.join(timeout=1 if self.failure is not None else 10)
 
 
-# Below this chunk size a collective is latency-bound: the leader decomposition runs one
-# inter-node all-reduce among few ranks instead of one per local rank.
-AUTO_LEADER_BELOW_BYTES = 1 << 20
-
-
-def _auto_decomposition(topology: Topology, nbytes: int, partition_bytes: int) -> str:
-    """``auto``: a rank-invariant choice from the request's chunk size and the topology."""
+def _auto_decomposition(lane: "_Lane", topology: Topology, tensor: torch.Tensor,
+                        partition_bytes: int) -> str:
+    """``auto``: a rank-invariant choice from the request's chunk size and measured costs
+    (calibrate.py). The table is measured at the lane's first request, which every rank
+    reaches at the same point with nothing in flight; a lane whose first request was not
+    ``auto`` keeps the static size rule."""
     if topology.nodes == 1:
         return "none"
+    if topology.auto_table is None and lane.iteration_count == 0:
+        topology.auto_table = calibrate(topology, lane.device, tensor.dtype)
+    nbytes = tensor.numel() * tensor.element_size()
     chunk = nbytes if not partition_bytes else min(nbytes, partition_bytes)
-    return "leader" if chunk < AUTO_LEADER_BELOW_BYTES else "hier"
+    if topology.auto_table is None:
+        return static_choice(topology.nodes, chunk)
+    return topology.auto_table.choose(chunk)
 
 
 def _group_timeout(group, device: torch.device) -> float:
@@ -754,8 +759,7 @@ class Scheduler:
         if decompose in ("hier", "leader", "auto"):
             topology = self._topology(lane)
             if decompose == "auto":
-                decompose = _auto_decomposition(
-                    topology, tensor.numel() * tensor.element_size(), partition_bytes)
+                decompose = _auto_decomposition(lane, topology, tensor, partition_bytes)
         req = Request()
         req.key, req.tensor, req.op, req.group = key, tensor, op, group
         req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority

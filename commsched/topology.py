@@ -64,6 +64,7 @@ class Topology:
         self.is_leader = self.local_rank == 0
         self.leaders: Optional[object] = created if self.is_leader else None
         self.leader_rank = ranks[self.node * local_size]     # global rank of my node's leader
+        self.auto_table = None   # decompose=auto: measured choices (calibrate.py), if any
 
     def group(self, role: str):
         return {"intra": self.intra, "inter": self.inter, "leaders": self.leaders}[role]

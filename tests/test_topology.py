@@ -73,3 +73,91 @@ def _bad_local_size(rank, world):
 
 def test_local_size_must_divide_the_world():
     run_workers(_bad_local_size, 4, timeout=60)
+
+
+# --- decompose=auto: measured choice (calibrate.py) ---------------------------------------
+
+def _auto_calibrates_at_the_first_request(rank, world, local_size):
+    from commsched.calibrate import CALIBRATION_SIZES
+    sched = Scheduler(Config(decompose="auto", local_size=local_size, partition_bytes=0,
+                             profile_iters=1), trace_dispatch=True)
+    sizes = (100, 70_000, 1_500_000)       # floats: 400 B, 280 KB, 6 MB chunks
+    for it in range(2):
+        reqs = [sched.submit(rank_input(rank, it, i, n), key=i, priority=i)
+                for i, n in enumerate(sizes)]
+        sched.end_iteration()
+        for i, r in enumerate(reqs):
+            ref = sum(rank_input(q, it, i, sizes[i]) for q in range(world))
+            torch.testing.assert_close(r.wait(), ref, rtol=1e-5, atol=1e-5)
+    sched.drain(timeout=60)
+    lane = next(iter(sched._lanes.values()))
+    table = lane.topology.auto_table
+    assert table is not None and table.sizes == CALIBRATION_SIZES
+    assert table.candidates == ("none", "hier", "leader")
+    # Every rank holds the same measurements, hence makes the same choices.
+    tables = [None] * world
+    dist.all_gather_object(tables, table.rows())
+    assert all(t == tables[0] for t in tables)
+    # Each request ran the decomposition the table names for its size.
+    chosen = {key: req.decompose for key, req in
+              ((r.key, r) for r in reqs)}
+    for i, n in enumerate(sizes):
+        assert chosen[i] == table.choose(4 * n), (i, chosen[i], table.rows())
+    sched.close()
+
+
+def test_auto_calibrates_once_and_every_rank_agrees():
+    run_workers(_auto_calibrates_at_the_first_request, 4, 2, timeout=240)
+
+
+def _auto_agrees_on_the_slowest_rank(rank, world, local_size):
+    from commsched.calibrate import calibrate
+    from commsched.topology import Topology
+    topology = Topology(dist.group.WORLD, local_size)
+    ticks = iter(range(10**6))
+
+    def clock():  # measurement j of rank r lasts (j + 1) * (r + 1) seconds / repeats
+        k = next(ticks)
+        j, end = divmod(k, 2)
+        return 0.0 if not end else (j + 1) * (rank + 1) * 1.0
+
+    sizes = (4096, 65536)
+    table = calibrate(topology, torch.device("cpu"), torch.float32, sizes=sizes, repeats=2,
+                      clock=clock)
+    expected = [[(i * 3 + c + 1) * world * 1e6 / 2 for c in range(3)] for i in range(2)]
+    assert [list(row) for row in table.times_us] == expected
+    assert table.winners == ("none", "none")
+
+
+def test_auto_agrees_on_the_slowest_rank():
+    run_workers(_auto_agrees_on_the_slowest_rank, 4, 2, timeout=120)
+
+
+def test_auto_table_picks_the_fastest_per_size():
+    from commsched.calibrate import AutoTable
+    table = AutoTable((4096, 65536, 1 << 20), ("none", "hier", "leader"),
+                      [(30.0, 40.0, 20.0), (50.0, 50.0, 60.0), (900.0, 500.0, 700.0)])
+    assert table.winners == ("leader", "none", "hier")       # a tie goes to none
+    assert [table.choose(n) for n in (1, 4096, 4097, 65536, 1 << 20, 1 << 30)] == [
+        "leader", "leader", "none", "none", "hier", "hier"]
+    assert table.rows()[2] == {"bytes": 1 << 20, "none_us": 900.0, "hier_us": 500.0,
+                               "leader_us": 700.0, "chosen": "hier"}
+    assert "1 MiB: hier" in table.describe()
+
+
+def _auto_override_later_keeps_the_static_rule(rank, world, local_size):
+    from commsched.calibrate import static_choice
+    sched = Scheduler(Config(decompose="none", local_size=local_size, partition_bytes=0))
+    sched.submit(torch.ones(10), key="first").wait()
+    sched.end_iteration()
+    req = sched.submit(torch.ones(300_000), key="auto", decompose="auto")
+    sched.end_iteration()
+    torch.testing.assert_close(req.wait(), torch.full((300_000,), float(world)))
+    lane = next(iter(sched._lanes.values()))
+    assert lane.topology.auto_table is None          # not calibrated with work in flight
+    assert req.decompose == static_choice(lane.topology.nodes, 1_200_000) == "hier"
+    sched.close()
+
+
+def test_auto_override_after_the_first_request_uses_the_static_rule():
+    run_workers(_auto_override_later_keeps_the_static_rule, 4, 2, timeout=120)
