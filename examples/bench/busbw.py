@@ -1,0 +1,597 @@
+"""Bus bandwidth of one all-reduce per message size, plain and through commsched's
+decompositions, printed in the nccl-tests (``all_reduce_perf``) format.
+
+    python examples/bench/busbw.py --world-size 2 --regime nvlink --out busbw_nvlink.json
+    python examples/bench/busbw.py --world-size 8 --local-size 4 --max-bytes 1G \\
+        --variants nccl,hier,leader --telemetry-root runs/busbw --out busbw_w8.json
+    python examples/bench/busbw.py --world-size 4 --local-size 2 --max-bytes 64K --cpu
+    python -m commsched report runs/busbw/nvlink_hier_w8      # telemetry of one variant
+
+The script spawns ``--world-size`` workers itself (NCCL, one GPU each, when CUDA has a GPU
+for every worker; else gloo on CPU, which is only a smoke test), sets the regime's NCCL
+environment before the process group starts (as harness.py does; ``NCCL_NVLS_ENABLE=0``
+always), and runs each variant over every message size from ``--min-bytes`` to
+``--max-bytes``, multiplying by ``--factor``:
+
+  nccl     plain ``dist.all_reduce``: the reference (named after nccl-tests; on CPU it is
+           gloo's all-reduce)
+  none     commsched ``Scheduler``, one all_reduce per message
+  rs_ag    commsched: reduce_scatter + all_gather
+  hier     commsched: intra-node reduce_scatter, inter-node all_reduce, intra-node all_gather
+  leader   commsched: reduce to the node leader, all_reduce among leaders, broadcast
+  auto     commsched: per size the fastest of none/hier/leader, as timed once when the
+           lane starts (commsched/calibrate.py); the summary names the one it ran
+
+A commsched variant runs ``Config.from_env()`` with ``enabled=True, decompose=<variant>,
+partition_bytes=0`` (one chunk per message), ``credit_bytes=0``, ``policy="fifo"`` (one
+request per iteration has nothing to plan, and a plan would add its exchange to the
+collective sequence), ``autotune=False`` and ``local_size=--local-size`` when given: the
+environment only contributes the knobs that observe (timeout, verify, NVTX, telemetry
+sampling). The ``--iters`` timed messages of a size are one scheduler iteration: that many
+``submit`` calls back to back, ``end_iteration``, then ``wait`` for each (so, as in
+nccl-tests, operations queue behind each other instead of each waiting for the last).
+
+Per size: ``--warmup`` untimed operations, then ``--iters`` back to back between device
+synchronizations, in place on a float32 buffer of zeros (the contents do not change a
+collective's speed, and zeros summed in place cannot overflow). Time per operation is the
+total over ``--iters``, averaged over ranks as nccl-tests does. Columns as nccl-tests:
+algbw = size / time, busbw = algbw * 2(n-1)/n (printed with 2 decimals, and 3 significant
+digits below 1 GB/s; the JSON has every digit). Then ``#wrong``: one more operation on an
+input of small rank-dependent integers (exact sums in float32) is compared element by
+element with a plain ``dist.all_reduce`` of the same input (for ``nccl``: with the sum
+computed locally); mismatches summed over ranks.
+
+With ``--telemetry-root DIR`` each commsched variant records to
+``DIR/<regime>_<variant>_w<N>``, the recorder open only while that variant runs. Per size
+there are three lane iterations and telemetry steps (each marked once its ops finished on
+the device): warm-up, timed, check; the JSON row's ``lane_iterations`` [a, b) is the timed
+one (``commsched report DIR/... --iterations a:b``), whose NVLink bytes divided by
+``--iters`` are one operation's. Telemetry costs time of its own: time variants without it,
+count NVLink bytes with it.
+
+Output: a progress line per variant, then markdown last on stdout: one table per variant
+in the nccl-tests columns and a summary of busbw per size, variants side by side. JSON
+(``--out``) with every number, the system, the environment, world and local size, regime.
+The exit status is 1 when a worker crashed or hung (``--timeout`` bounds the command) or a
+result was wrong, 2 for a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import benchlib  # first: puts the checkout on sys.path
+from benchlib import close_quietly
+
+import torch
+import torch.distributed as dist
+
+# The regimes are harness.py's, so that the two scripts measure the same environments.
+from harness import REGIMES, apply_regime_env
+
+DTYPE = torch.float32
+ELEMENT_BYTES = 4
+
+# name -> label (table headings); run order is the order given by --variants.
+VARIANTS: Dict[str, str] = {
+    "nccl": "plain dist.all_reduce (reference)",
+    "none": "commsched Scheduler, all_reduce",
+    "rs_ag": "commsched, reduce_scatter + all_gather",
+    "hier": "commsched, reduce_scatter:intra + all_reduce:inter + all_gather:intra",
+    "leader": "commsched, reduce:intra + all_reduce:leaders + broadcast:intra",
+    "auto": "commsched, per size the fastest of none/hier/leader as measured at start",
+}
+DEFAULT_VARIANTS = "nccl,none,rs_ag,hier,leader,auto"
+REFERENCE = "nccl"
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes (nccl-tests' -b/-e: K, M, G are powers of 1024)
+# ---------------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,16})\s*([a-zA-Z]*)\s*$", re.ASCII)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"128"``, ``"64K"``, ``"32M"``, ``"1G"`` (or KiB/MiB/GiB) in bytes; K = 1024, as
+    nccl-tests reads its sizes."""
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a byte count such as 128, 64K, 32M or 1G (K = 1024)")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+
+
+def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> List[int]:
+    """``min_bytes``, then times ``factor`` while at most ``max_bytes``."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def human_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------------------
+# The operations measured (inside each worker)
+# ---------------------------------------------------------------------------------------
+
+class PlainAllReduce:
+    """``dist.all_reduce`` in place, the reference (nccl-tests' all_reduce_perf in place)."""
+
+    __slots__ = ()
+
+    def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
+        for _ in range(count):
+            dist.all_reduce(tensor)
+
+    def iterations(self) -> Optional[int]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class CommschedAllReduce:
+    """``count`` all-reduces of ``tensor`` as one commsched scheduler iteration: ``count``
+    requests submitted back to back (the scheduler issues them in order on its stream, as
+    nccl-tests issues its operations), the iteration ended, every request waited for.
+    ``recorder`` is the variant's telemetry (None without it); with it, each call also
+    waits for the device and marks a telemetry step.
+
+    Example::
+        op = CommschedAllReduce(Config(enabled=True, decompose="rs_ag", partition_bytes=0),
+                                torch.device("cpu"))
+        op(tensor, 20); op.close()
+    """
+
+    __slots__ = ("scheduler", "recorder", "requests", "ran")
+
+    def __init__(self, config, device: torch.device):
+        commsched = benchlib.import_commsched()
+        from commsched.telemetry import open_rank_recorder
+
+        self.recorder = open_rank_recorder(config, device) if config.telemetry_dir else None
+        self.scheduler = commsched.Scheduler(config, self.recorder)
+        self.requests: List[Any] = []
+        self.ran: Optional[str] = None      # the decomposition the last call ran
+
+    def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
+        requests = self.requests
+        submit = self.scheduler.submit
+        for k in range(count):
+            requests.append(submit(tensor, key=k))
+        self.scheduler.end_iteration()
+        for request in requests:
+            request.wait()
+        self.ran = requests[-1].decompose
+        requests.clear()
+        if self.recorder is not None:
+            # A telemetry step per call, placed once its ops finished on the device (on
+            # CUDA wait() only orders streams): report's iteration k is call k, and the
+            # NVLink samples requested at the steps split the link bytes at call boundaries.
+            if tensor.is_cuda:
+                torch.cuda.current_stream(tensor.device).synchronize()
+            self.recorder.step()
+
+    def iterations(self) -> int:
+        """Lane iterations so far (each call is one)."""
+        return self.scheduler.stats()["iterations"]
+
+    def close(self, timeout: Optional[float] = 60.0) -> None:
+        """Wait for outstanding chunks, stop the scheduler (its completion threads hand the
+        last chunk records to the recorder on the way out), then close the recorder."""
+        try:
+            self.scheduler.drain(timeout)
+        finally:
+            self.scheduler.close()
+            if self.recorder is not None:
+                self.recorder.close()
+
+
+def variant_config(spec: "LaunchSpec", name: str):
+    """The commsched Config of variant ``name`` (None for the plain reference)."""
+    if name == REFERENCE:
+        return None
+    changes = dict(enabled=True, decompose=name, partition_bytes=0, credit_bytes=0,
+                   policy="fifo", autotune=False, telemetry_dir=telemetry_dir(spec, name))
+    if spec.local_size is not None:
+        changes["local_size"] = spec.local_size
+    return spec.base_config.replace(**changes)
+
+
+def telemetry_dir(spec: "LaunchSpec", name: str) -> Optional[str]:
+    if spec.telemetry_root is None or name == REFERENCE:
+        return None
+    return str(Path(spec.telemetry_root) / f"{spec.regime}_{name}_w{spec.world_size}")
+
+
+def check_input(rank: int, count: int, device: torch.device) -> torch.Tensor:
+    """Small rank-dependent integers in [-8, 8]: every sum over ranks is exact in float32."""
+    i = torch.arange(count, device=device)
+    return ((i * 7 + (rank + 1) * 13) % 17 - 8).to(DTYPE)
+
+
+def expected_sum(world_size: int, count: int, device: torch.device) -> torch.Tensor:
+    """The all-reduced check input, computed locally."""
+    total = torch.zeros(count, dtype=DTYPE, device=device)
+    for rank in range(world_size):
+        total += check_input(rank, count, device)
+    return total
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the parent tells the workers (picklable)."""
+
+    world_size: int
+    local_size: Optional[int]
+    regime: str
+    backend: str
+    sizes: Tuple[int, ...]
+    warmup: int
+    iters: int
+    variants: Tuple[str, ...]
+    telemetry_root: Optional[str]
+    base_config: Any                 # commsched.Config, parsed once in the parent
+    port: int
+    collective_timeout_s: float
+    result_path: str
+
+
+class Worker:
+    """Per-worker context: rank, device, backend, and the timing loop."""
+
+    def __init__(self, rank: int, spec: LaunchSpec):
+        self.rank = rank
+        self.spec = spec
+        self.cuda = spec.backend == "nccl"
+        self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def measure(self, name: str, op: Callable[[torch.Tensor], None], nbytes: int
+                ) -> Dict[str, Any]:
+        """One row: time per operation (mean and max over ranks), bandwidths, #wrong."""
+        spec, world = self.spec, self.spec.world_size
+        count = nbytes // ELEMENT_BYTES
+        buffer = torch.zeros(count, dtype=DTYPE, device=self.device)
+        if spec.warmup:
+            op(buffer, spec.warmup)
+        self.sync()
+        benchlib.barrier(spec.backend)
+        self.sync()
+        first = op.iterations()
+        start = time.perf_counter()
+        op(buffer, spec.iters)
+        self.sync()
+        seconds = (time.perf_counter() - start) / spec.iters
+        last = op.iterations()
+        del buffer
+
+        data = check_input(self.rank, count, self.device)
+        reference = data.clone()
+        dist.all_reduce(reference)
+        if name == REFERENCE:
+            wrong = (reference != expected_sum(world, count, self.device)).sum()
+        else:
+            op(data)
+            wrong = (data != reference).sum()
+        total = torch.tensor([seconds, float(wrong.item())], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(total)
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        seconds_mean = total[0].item() / world
+        algbw = nbytes / seconds_mean / 1e9
+        return {
+            "variant": name, "size": nbytes, "count": count, "type": "float",
+            "redop": "sum", "time_us": seconds_mean * 1e6,
+            "time_us_max_rank": slowest[0].item() * 1e6,
+            "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(world),
+            "wrong": int(total[1].item()),
+            "lane_iterations": None if first is None else [first, last],
+            "ran": getattr(op, "ran", None),      # the decomposition run (auto: its choice)
+        }
+
+
+def gbps(value: Optional[float]) -> Optional[str]:
+    """GB/s as nccl-tests prints it (2 decimals), with 3 significant digits below 1 GB/s so
+    that small messages (and CPU runs) do not all read 0.00."""
+    if value is None:
+        return None
+    if value >= 1 or value <= 0:
+        return f"{value:.2f}"
+    decimals = min(9, 2 - math.floor(math.log10(value)))     # 0.00610, 0.0000207
+    return f"{value:.{decimals}f}"
+
+
+def bus_factor(world_size: int) -> float:
+    """nccl-tests' all-reduce bus bandwidth factor, 2(n-1)/n."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def run_variant(worker: Worker, name: str) -> Dict[str, Any]:
+    """Every message size through variant ``name``; telemetry (if any) is open only for
+    the duration of this call."""
+    config = variant_config(worker.spec, name)
+    op = PlainAllReduce() if config is None else CommschedAllReduce(config, worker.device)
+    started = time.monotonic()
+    try:
+        rows = [worker.measure(name, op, nbytes) for nbytes in worker.spec.sizes]
+    finally:
+        close_quietly(op)
+    return {"name": name, "label": VARIANTS[name], "status": "ok", "error": None,
+            "config": None if config is None else dataclasses.asdict(config),
+            "telemetry_dir": None if config is None else config.telemetry_dir,
+            "wall_s": round(time.monotonic() - started, 2), "rows": rows}
+
+
+def progress_line(spec: LaunchSpec, result: Dict[str, Any]) -> str:
+    rows = result["rows"]
+    largest = rows[-1]
+    wrong = sum(r["wrong"] for r in rows)
+    return (f"[busbw] {spec.regime} w{spec.world_size} {result['name']}: {len(rows)} sizes "
+            f"{human_bytes(rows[0]['size'])}..{human_bytes(largest['size'])} in "
+            f"{result['wall_s']:.1f} s; busbw {gbps(largest['busbw_gbps'])} GB/s at "
+            f"{human_bytes(largest['size'])}; #wrong {wrong}"
+            + ("" if result["telemetry_dir"] is None
+               else f"; telemetry {result['telemetry_dir']}"))
+
+
+def worker_main(rank: int, spec: LaunchSpec) -> None:
+    """Entry point of each spawned worker: one process group, every variant in turn."""
+    apply_regime_env(spec.regime)
+    if spec.backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    benchlib.init_process_group(rank, spec.world_size, spec.port, spec.backend,
+                                spec.collective_timeout_s)
+    worker = Worker(rank, spec)
+    doc: Dict[str, Any] = {"env": benchlib.relevant_env(),
+                           "system": benchlib.system_info() if rank == 0 else {},
+                           "variants": {}}
+    try:
+        for name in spec.variants:
+            result = run_variant(worker, name)
+            if rank == 0:
+                doc["variants"][name] = result
+                print(progress_line(spec, result), flush=True)
+                benchlib.write_json(Path(spec.result_path), doc)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------
+# Parent: arguments, launch, tables
+# ---------------------------------------------------------------------------------------
+
+def variant_table(result: Dict[str, Any]) -> str:
+    """One variant's rows in the nccl-tests columns."""
+    headers = ["size (B)", "count (elements)", "type", "redop", "time (us)", "algbw (GB/s)",
+               "busbw (GB/s)", "#wrong"]
+    rows = [[r["size"], r["count"], r["type"], r["redop"], f"{r['time_us']:.2f}",
+             gbps(r["algbw_gbps"]), gbps(r["busbw_gbps"]), r["wrong"]]
+            for r in result["rows"]]
+    return benchlib.markdown_table(headers, rows)
+
+
+def summary_table(document: Dict[str, Any]) -> str:
+    """busbw (GB/s) per size, one column per variant; last row the mean over sizes
+    (nccl-tests' "Avg bus bandwidth")."""
+    names = [n for n in document["settings"]["variants"]]
+    by_variant = {n: {r["size"]: r for r in document["variants"][n]["rows"]} for n in names}
+    headers = ["size (B)"] + [f"{n} busbw (GB/s)" for n in names]
+    rows = []
+    for size in document["settings"]["sizes"]:
+        rows.append([size] + [_cell(by_variant[n].get(size), n) for n in names])
+    averages = []
+    for n in names:
+        values = [r["busbw_gbps"] for r in by_variant[n].values()]
+        averages.append(gbps(sum(values) / len(values)) if values else None)
+    rows.append(["avg"] + averages)
+    return benchlib.markdown_table(headers, rows)
+
+
+def _cell(row: Optional[Dict[str, Any]], name: str) -> Optional[str]:
+    if row is None:
+        return None
+    text = gbps(row["busbw_gbps"])
+    return f"{text} ({row['ran']})" if name == "auto" and row.get("ran") else text
+
+
+def headline(document: Dict[str, Any]) -> str:
+    s, system = document["settings"], document.get("system") or {}
+    if s["backend"] == "nccl":
+        where = (f"NCCL on {s['world_size']}x {system.get('gpu_name')}, driver "
+                 f"{system.get('driver')}, CUDA {system.get('cuda')}, NCCL {system.get('nccl')}")
+    else:
+        where = (f"gloo on CPU ({system.get('cpu_count')} cores) - smoke run, not a "
+                 f"benchmark")
+    return (f"commsched busbw: {s['world_size']} ranks ({s['nodes']} node(s) of "
+            f"{s['local_size_effective']}), regime {s['regime']}, {where}, torch "
+            f"{system.get('torch')}; in-place float32 sum, warmup {s['warmup']}, "
+            f"{s['iters']} timed ops per size")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, required=True,
+                        help="workers to spawn (one GPU each under NCCL)")
+    parser.add_argument("--regime", default="nvlink", choices=list(REGIMES),
+                        help="NCCL environment, as in harness.py (default nvlink)")
+    parser.add_argument("--local-size", type=int, default=None,
+                        help="ranks per node for hier/leader (consecutive ranks); default: "
+                             "COMMSCHED_LOCAL_SIZE, else LOCAL_WORLD_SIZE, else one node")
+    parser.add_argument("--min-bytes", type=parse_size, default=parse_size("128"),
+                        help="smallest message (default 128; K/M/G = 1024^n)")
+    parser.add_argument("--max-bytes", type=parse_size, default=parse_size("32M"),
+                        help="largest message (default 32M)")
+    parser.add_argument("--factor", type=int, default=4,
+                        help="size multiplier between messages (default 4)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed ops per size (5)")
+    parser.add_argument("--iters", type=int, default=20, help="timed ops per size (20)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated subset of {','.join(VARIANTS)} or all "
+                             f"(default {DEFAULT_VARIANTS})")
+    parser.add_argument("--telemetry-root", default=None,
+                        help="record each commsched variant's telemetry under "
+                             "DIR/<regime>_<variant>_w<N>")
+    parser.add_argument("--out", default="busbw.json", help="JSON output (busbw.json)")
+    parser.add_argument("--cpu", action="store_true", help="force gloo on CPU")
+    parser.add_argument("--timeout", type=float, default=540.0,
+                        help="seconds for the whole command; hung workers are terminated "
+                             "(default 540)")
+    parser.add_argument("--collective-timeout", type=float, default=120.0,
+                        help="process-group timeout in seconds (default 120)")
+    args = parser.parse_args(argv)
+
+    if args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: must be >= 1")
+    if args.local_size is not None and (args.local_size < 1
+                                        or args.world_size % args.local_size):
+        parser.error(f"--local-size {args.local_size}: must be >= 1 and divide --world-size "
+                     f"{args.world_size} (nodes are groups of --local-size consecutive ranks)")
+    for flag, value in (("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes)):
+        if value < ELEMENT_BYTES or value % ELEMENT_BYTES:
+            parser.error(f"{flag} {value}: must be a positive multiple of {ELEMENT_BYTES} "
+                         f"bytes (float32 elements)")
+    if args.max_bytes < args.min_bytes:
+        parser.error(f"--max-bytes {args.max_bytes} is smaller than --min-bytes "
+                     f"{args.min_bytes}")
+    if args.factor < 2:
+        parser.error(f"--factor {args.factor}: must be >= 2")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: must be >= 0")
+    if args.iters < 1:
+        parser.error(f"--iters {args.iters}: must be >= 1")
+    if args.timeout <= 0 or args.collective_timeout <= 0:
+        parser.error("--timeout and --collective-timeout must be > 0")
+    names = list(VARIANTS) if args.variants.strip() == "all" else [
+        v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if not names or unknown:
+        parser.error(f"--variants {args.variants!r}: unknown {unknown}; choose from "
+                     f"{', '.join(VARIANTS)}, all")
+    args.variants = tuple(dict.fromkeys(names))
+    args.sizes = tuple(message_sizes(args.min_bytes, args.max_bytes, args.factor))
+
+    # commsched's Config is parsed once, here; a bad COMMSCHED_* variable is an argument
+    # error, not a crash in every worker.
+    args.base_config = None
+    if any(v != REFERENCE for v in args.variants):
+        try:
+            commsched = benchlib.import_commsched()
+            from commsched.topology import local_size_from_env
+            args.base_config = commsched.Config.from_env()
+        except Exception as exc:  # noqa: BLE001 - ModeUnavailable or ConfigError
+            parser.error(f"--variants {','.join(args.variants)} need commsched: {exc}")
+        configured = args.local_size or args.base_config.local_size
+        args.local_size_effective = local_size_from_env(configured, args.world_size)
+        if args.world_size % args.local_size_effective:
+            parser.error(f"local size {args.local_size_effective} (from COMMSCHED_LOCAL_SIZE "
+                         f"or LOCAL_WORLD_SIZE) does not divide --world-size "
+                         f"{args.world_size}; pass --local-size")
+    else:
+        args.local_size_effective = args.local_size or args.world_size
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.timeout
+    backend = benchlib.choose_backend(args.cpu, args.world_size)
+    if backend == "gloo":
+        print(f"[busbw] fewer than {args.world_size} GPUs (or --cpu): gloo on CPU; numbers "
+              f"are not a benchmark", flush=True)
+    document: Dict[str, Any] = {
+        "schema": "commsched.bench.busbw/1",
+        "created_utc": benchlib.utc_now(),
+        "command": [sys.executable, *sys.argv],
+        "settings": {
+            "world_size": args.world_size, "local_size": args.local_size,
+            "local_size_effective": args.local_size_effective,
+            "nodes": args.world_size // args.local_size_effective,
+            "regime": args.regime, "backend": backend,
+            "device": "cuda" if backend == "nccl" else "cpu",
+            "dtype": "float32", "redop": "sum", "in_place": True,
+            "min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor,
+            "sizes": list(args.sizes), "warmup": args.warmup, "iters": args.iters,
+            "variants": list(args.variants), "telemetry_root": args.telemetry_root,
+            "timeout_s": args.timeout, "collective_timeout_s": args.collective_timeout,
+            "time_definition": "per op: timed total / iters, mean over ranks (slowest rank: "
+                               "time_us_max_rank)",
+            "bus_factor": bus_factor(args.world_size),
+        },
+        "parent_env": benchlib.relevant_env(),
+        "system": {}, "env": {},
+        "status": "ok", "error": None, "wall_s": None,
+        "variants": {},
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="commsched-busbw-") as tmp:
+        spec = LaunchSpec(args.world_size, args.local_size, args.regime, backend, args.sizes,
+                          args.warmup, args.iters, args.variants, args.telemetry_root,
+                          args.base_config, benchlib.free_port(),
+                          min(args.collective_timeout, args.timeout), str(Path(tmp) / "w.json"))
+        print(f"[busbw] spawning {args.world_size} workers ({backend}), regime "
+              f"{args.regime}, {len(args.sizes)} sizes {human_bytes(args.sizes[0])}.."
+              f"{human_bytes(args.sizes[-1])}, variants {','.join(args.variants)}", flush=True)
+        outcome = benchlib.launch(worker_main, (spec,), args.world_size,
+                                  max(1.0, deadline - time.monotonic()))
+        path = Path(spec.result_path)
+        partial = json.loads(path.read_text()) if path.exists() else {}
+    document["status"] = "ok" if outcome.ok else "error"
+    document["error"] = outcome.error
+    document["wall_s"] = round(outcome.wall_s, 1)
+    document["system"] = partial.get("system") or benchlib.system_info()
+    document["env"] = partial.get("env", {})
+    for name in args.variants:
+        result = partial.get("variants", {}).get(name) or {
+            "name": name, "label": VARIANTS[name], "status": "error",
+            "error": f"not run: {outcome.error or 'worker ended early'}", "config": None,
+            "telemetry_dir": None, "wall_s": None, "rows": []}
+        document["variants"][name] = result
+        document["rows"] += result["rows"]
+    benchlib.write_json(Path(args.out), document)
+
+    wrong = sum(r["wrong"] for r in document["rows"])
+    failed = [n for n, v in document["variants"].items() if v["status"] != "ok"]
+    print(f"[busbw] wrote {args.out}"
+          + ("" if outcome.ok else f"; launch failed: {outcome.error}")
+          + (f"; not measured: {', '.join(failed)}" if failed else "")
+          + (f"; {wrong} WRONG elements" if wrong else ""), flush=True)
+    print("", flush=True)
+    print(headline(document), flush=True)
+    for name, result in document["variants"].items():
+        if result["rows"]:
+            print(f"\n### {name}: {result['label']}\n", flush=True)
+            print(variant_table(result), flush=True)
+    print("\n### busbw (GB/s) per size\n", flush=True)
+    print(summary_table(document), flush=True)
+    return 0 if outcome.ok and not failed and not wrong else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The bus-bandwidth benchmark (examples/bench/busbw.py) on CPU with gloo.
+
+The script runs end to end as a subprocess at world size 2 (each rank its own node) and 4
+(two nodes of two), every variant, tiny sizes, with telemetry on: it must exit 0, report no
+wrong element, write a JSON row for every (variant, size), and leave telemetry directories
+that ``commsched report`` reads with one lane iteration per operation. Timings are not
+checked (CPU timings are noise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "examples" / "bench"
+sys.path.insert(0, str(BENCH))
+
+import busbw  # noqa: E402
+
+SIZES = [128, 512, 2048, 8192]           # --min-bytes 128 --max-bytes 8K --factor 4
+VARIANTS = ["nccl", "none", "rs_ag", "hier", "leader", "auto"]
+WARMUP, ITERS = 1, 2
+ROW_KEYS = ("variant", "size", "count", "type", "redop", "time_us", "algbw_gbps",
+            "busbw_gbps", "wrong", "lane_iterations")
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return (f"exit status {proc.returncode}\n--- stdout (tail) ---\n{proc.stdout[-3000:]}"
+            f"\n--- stderr (tail) ---\n{proc.stderr[-5000:]}")
+
+
+def is_positive(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (4, 2)], ids=["w2_local1", "w4_local2"])
+def run(request, tmp_path_factory):
+    world, local = request.param
+    tmp = tmp_path_factory.mktemp(f"busbw_w{world}")
+    out, telemetry = tmp / "busbw.json", tmp / "telemetry"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "busbw.py"), "--world-size", str(world),
+         "--local-size", str(local), "--min-bytes", "128", "--max-bytes", "8K",
+         "--warmup", str(WARMUP), "--iters", str(ITERS), "--variants", ",".join(VARIANTS),
+         "--cpu", "--telemetry-root", str(telemetry), "--timeout", "100", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    document = json.loads(out.read_text()) if out.exists() else None
+    return world, local, proc, document, telemetry
+
+
+def test_exits_cleanly_and_prints_the_summary_table_last(run):
+    _, _, proc, document, _ = run
+    assert proc.returncode == 0, explain(proc)
+    assert document is not None and document["status"] == "ok", explain(proc)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines[-1].startswith("| avg |"), explain(proc)
+    for name in VARIANTS:
+        assert f"### {name}: " in proc.stdout
+        assert f"[busbw] nvlink w{document['settings']['world_size']} {name}: " in proc.stdout
+
+
+def test_json_describes_the_run(run):
+    world, local, _, document, _ = run
+    assert document["schema"] == "commsched.bench.busbw/1"
+    settings = document["settings"]
+    assert (settings["world_size"], settings["local_size"]) == (world, local)
+    assert settings["nodes"] == world // local
+    assert settings["regime"] == "nvlink" and settings["backend"] == "gloo"
+    assert settings["sizes"] == SIZES and settings["variants"] == VARIANTS
+    assert document["env"]["NCCL_NVLS_ENABLE"] == "0"
+    for key in ("torch", "cpu_count", "gpu_name"):
+        assert key in document["system"]
+    for name in VARIANTS[1:]:
+        config = document["variants"][name]["config"]
+        assert config["decompose"] == name and config["partition_bytes"] == 0
+        assert config["credit_bytes"] == 0 and config["local_size"] == local
+
+
+def test_every_variant_and_size_has_a_right_result(run):
+    world, local, _, document, _ = run
+    rows = {(r["variant"], r["size"]): r for r in document["rows"]}
+    assert set(rows) == {(v, s) for v in VARIANTS for s in SIZES}
+    assert len(document["rows"]) == len(rows)
+    for (variant, size), row in rows.items():
+        assert set(ROW_KEYS) <= set(row), (variant, size)
+        assert row["wrong"] == 0, (variant, size)
+        assert row["count"] == size // 4 and row["type"] == "float" and row["redop"] == "sum"
+        assert is_positive(row["time_us"]) and is_positive(row["algbw_gbps"])
+        assert row["algbw_gbps"] == pytest.approx(size / (row["time_us"] * 1e3))
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (world - 1) / world)
+        if variant == "nccl":
+            assert row["ran"] is None
+        elif variant == "auto":
+            # One node: nothing to choose; several: one of the measured candidates.
+            assert row["ran"] in (("none",) if world == local else ("none", "hier", "leader"))
+        else:
+            assert row["ran"] == variant
+
+
+def test_telemetry_has_one_lane_iteration_per_call(run):
+    world, _, _, document, telemetry = run
+    from commsched.telemetry.report import build_report
+
+    assert WARMUP > 0
+    per_size = 3                                      # warm-up, timed, correctness check
+    assert not (telemetry / f"nvlink_nccl_w{world}").exists()
+    for name in VARIANTS[1:]:
+        run_dir = telemetry / f"nvlink_{name}_w{world}"
+        assert document["variants"][name]["telemetry_dir"] == str(run_dir)
+        report = build_report(str(run_dir))
+        assert sorted(r["rank"] for r in report["runs"]) == list(range(world))
+        rows = [r for r in report["rows"] if r["rank"] == 0]
+        assert [r["iteration"] for r in rows] == list(range(per_size * len(SIZES))), name
+        assert all(r["complete"] for r in rows), name
+        timed = [r["lane_iterations"] for r in document["rows"] if r["variant"] == name]
+        assert timed == [[per_size * i + 1, per_size * i + 2] for i in range(len(SIZES))]
+        for (first, _), size in zip(timed, SIZES):
+            # The timed iteration holds --iters operations of the size; the others one
+            # (check) or --warmup.
+            assert rows[first]["bytes"] == size * ITERS, (name, size)
+            assert rows[first + 1]["bytes"] == size, (name, size)
+            assert rows[first - 1]["bytes"] == size * WARMUP, (name, size)
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+def test_sizes_read_like_nccl_tests_and_grow_by_the_factor():
+    assert [busbw.parse_size(t) for t in ("128", "64K", "32M", "1G", "4MiB")] == [
+        128, 64 << 10, 32 << 20, 1 << 30, 4 << 20]
+    assert busbw.message_sizes(128, 64 << 10, 4) == [128, 512, 2048, 8192, 32768]
+    assert busbw.message_sizes(8, 8, 2) == [8]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--world-size", "4", "--local-size", "3"], "--local-size"),
+    (["--world-size", "2", "--min-bytes", "6"], "--min-bytes"),
+    (["--world-size", "2", "--min-bytes", "1K", "--max-bytes", "512"], "--max-bytes"),
+    (["--world-size", "2", "--factor", "1"], "--factor"),
+    (["--world-size", "2", "--variants", "nccl,ring"], "--variants"),
+    (["--world-size", "2", "--max-bytes", "32MB"], "--max-bytes"),
+])
+def test_bad_arguments_are_reported_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        busbw.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
