@@ -94,6 +94,7 @@ def test_every_variant_and_size_has_a_right_result(run):
         assert is_positive(row["time_us"]) and is_positive(row["algbw_gbps"])
         assert row["algbw_gbps"] == pytest.approx(size / (row["time_us"] * 1e3))
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (world - 1) / world)
+        assert row["nvlink_tx_bytes_per_op"] is None        # CPU: no NVML counters
         if variant == "nccl":
             assert row["ran"] is None
         elif variant == "auto":

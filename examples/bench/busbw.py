@@ -39,7 +39,10 @@ algbw = size / time, busbw = algbw * 2(n-1)/n (printed with 2 decimals, and 3 si
 digits below 1 GB/s; the JSON has every digit). Then ``#wrong``: one more operation on an
 input of small rank-dependent integers (exact sums in float32) is compared element by
 element with a plain ``dist.all_reduce`` of the same input (for ``nccl``: with the sum
-computed locally); mismatches summed over ranks.
+computed locally); mismatches summed over ranks. On GPUs with NVML, each rank also reads
+its NVLink DATA TX counter (summed over links) just before and after the timed window: the
+JSON's ``nvlink_tx_bytes_per_op`` (mean over ranks) and ``nvlink_tx_per_payload``, and a
+table of the latter (the counter counts KiB: read it for sizes well above that).
 
 With ``--telemetry-root DIR`` each commsched variant records to
 ``DIR/<regime>_<variant>_w<N>``, the recorder open only while that variant runs. Per size
@@ -239,6 +242,41 @@ def expected_sum(world_size: int, count: int, device: torch.device) -> torch.Ten
     return total
 
 
+class LinkCounter:
+    """This rank's GPU's NVLink DATA TX counter (NVML field 138, summed over links, KiB),
+    read just before and just after a timed window, outside it: the link bytes the rank
+    sent for the window's operations. ``None`` readings where NVML or NVLink is absent."""
+
+    def __init__(self, device: torch.device):
+        self.backend = self.gpu = None
+        self.status = "cpu"
+        if device.type != "cuda":
+            return
+        from commsched.telemetry.nvml import (GpuSelector, NvmlUnavailable, PynvmlBackend,
+                                              resolve_gpu)
+        try:
+            backend = PynvmlBackend()
+            backend.init()
+            uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+            self.gpu = resolve_gpu(backend, GpuSelector(device.index, uuid or None))
+            self.backend, self.status = backend, "ok"
+        except NvmlUnavailable as exc:
+            self.status = exc.status
+
+    def read(self) -> Optional[int]:
+        """Bytes sent over all NVLinks so far, or None."""
+        if self.backend is None:
+            return None
+        from commsched.telemetry.nvml import FIELD, SCOPE_ALL_LINKS
+        [kib] = self.backend.read_fields(self.gpu.index, [(FIELD["data_tx"], SCOPE_ALL_LINKS)])
+        return None if kib is None else kib * 1024
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """What the parent tells the workers (picklable)."""
@@ -266,6 +304,7 @@ class Worker:
         self.spec = spec
         self.cuda = spec.backend == "nccl"
         self.device = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self.links = LinkCounter(self.device)
 
     def sync(self) -> None:
         if self.cuda:
@@ -283,10 +322,12 @@ class Worker:
         benchlib.barrier(spec.backend)
         self.sync()
         first = op.iterations()
+        tx_before = self.links.read()
         start = time.perf_counter()
         op(buffer, spec.iters)
         self.sync()
         seconds = (time.perf_counter() - start) / spec.iters
+        tx_after = self.links.read()
         last = op.iterations()
         del buffer
 
@@ -301,6 +342,14 @@ class Worker:
         total = torch.tensor([seconds, float(wrong.item())], dtype=torch.float64,
                              device=self.device)
         dist.all_reduce(total)
+        # NVLink bytes per operation, mean over ranks (-1: not measured on some rank).
+        sent = -1.0 if tx_before is None or tx_after is None else (
+            (tx_after - tx_before) / spec.iters)
+        links = torch.tensor([sent, sent], dtype=torch.float64, device=self.device)
+        dist.all_reduce(links)
+        measured = torch.tensor([float(sent < 0)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        nvlink_tx = None if measured.item() else links[0].item() / world
         slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         seconds_mean = total[0].item() / world
@@ -313,6 +362,8 @@ class Worker:
             "wrong": int(total[1].item()),
             "lane_iterations": None if first is None else [first, last],
             "ran": getattr(op, "ran", None),      # the decomposition run (auto: its choice)
+            "nvlink_tx_bytes_per_op": nvlink_tx,  # mean over ranks; None without NVML
+            "nvlink_tx_per_payload": None if nvlink_tx is None else nvlink_tx / nbytes,
         }
 
 
@@ -379,6 +430,7 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
                 print(progress_line(spec, result), flush=True)
                 benchlib.write_json(Path(spec.result_path), doc)
     finally:
+        worker.links.close()
         dist.destroy_process_group()
 
 
@@ -418,6 +470,22 @@ def _cell(row: Optional[Dict[str, Any]], name: str) -> Optional[str]:
         return None
     text = gbps(row["busbw_gbps"])
     return f"{text} ({row['ran']})" if name == "auto" and row.get("ran") else text
+
+
+def nvlink_table(document: Dict[str, Any]) -> Optional[str]:
+    """NVLink bytes each rank sent per operation, over the payload (None without NVML).
+    A ring all-reduce sends 2(n-1)/n of the payload."""
+    names = [n for n in document["settings"]["variants"]]
+    by_variant = {n: {r["size"]: r for r in document["variants"][n]["rows"]} for n in names}
+    if not any(r.get("nvlink_tx_per_payload") is not None
+               for rows in by_variant.values() for r in rows.values()):
+        return None
+    headers = ["size (B)"] + [f"{n} TX/payload" for n in names]
+    rows = [[size] + [None if by_variant[n].get(size, {}).get("nvlink_tx_per_payload") is None
+                      else f"{by_variant[n][size]['nvlink_tx_per_payload']:.3f}"
+                      for n in names]
+            for size in document["settings"]["sizes"]]
+    return benchlib.markdown_table(headers, rows)
 
 
 def headline(document: Dict[str, Any]) -> str:
@@ -588,6 +656,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if result["rows"]:
             print(f"\n### {name}: {result['label']}\n", flush=True)
             print(variant_table(result), flush=True)
+    links = nvlink_table(document)
+    if links:
+        print("\n### NVLink bytes sent per operation / payload (mean over ranks; a ring "
+              "all-reduce sends 2(n-1)/n)\n", flush=True)
+        print(links, flush=True)
     print("\n### busbw (GB/s) per size\n", flush=True)
     print(summary_table(document), flush=True)
     return 0 if outcome.ok and not failed and not wrong else 1
