@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
@@ -444,6 +445,14 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_telemetry", "5e as 5, with telemetry and NVLink sampling",
          lambda bench: run_ddp_commsched(
              bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry"))),
+    Mode("ddp_commsched_telemetry_sums", "5e' as 5e, NVLink counters summed over links only",
+         lambda bench: run_ddp_commsched(
+             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_sums"),
+             telemetry_nvml_per_link=False)),
+    Mode("ddp_commsched_telemetry_nonvml", "5e'' as 5e, no NVML sampling",
+         lambda bench: run_ddp_commsched(
+             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_nonvml"),
+             telemetry_nvml_period_ms=0)),
     Mode("ddp_commsched_autotune", "5f as 5e, COMMSCHED_AUTOTUNE=1 (timed once settled)",
          lambda bench: run_ddp_commsched_autotune(bench)),
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
@@ -694,6 +703,9 @@ class LaunchSpec:
 
 def worker(rank: int, spec: LaunchSpec) -> None:
     """Entry point of each spawned worker: one process group, every model and mode."""
+    # A worker killed by a signal (SIGABRT from a heap check, SIGSEGV) prints every
+    # thread's Python stack on stderr: which thread was where.
+    faulthandler.enable(all_threads=True)
     interval_us = os.environ.get("BENCH_SWITCH_INTERVAL_US")
     if interval_us:
         # Experiment knob: how long a thread waiting for the GIL may be kept waiting.
