@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -167,6 +168,7 @@ class PynvmlBackend:
     def __init__(self) -> None:
         self._nv = None
         self._handles: Dict[int, object] = {}
+        self._buffers: Dict[tuple, "_FieldBuffer"] = {}
 
     def init(self) -> None:
         try:
@@ -187,6 +189,7 @@ class PynvmlBackend:
                 pass
             self._nv = None
             self._handles.clear()
+            self._buffers.clear()
 
     def _handle(self, index: int):
         if index not in self._handles:
@@ -220,9 +223,59 @@ class PynvmlBackend:
 
     def read_fields(self, index: int,
                     fields: Sequence[Tuple[int, int]]) -> List[Optional[int]]:
-        nv = self._nv
-        values = nv.nvmlDeviceGetFieldValues(self._handle(index), list(fields))
-        return [_field_value(v) for v in values]
+        """One ``nvmlDeviceGetFieldValues`` call into a buffer kept per (GPU, query): no
+        allocation per sample, and ``FIELD_GUARD`` spare entries after the ones asked for,
+        filled with a sentinel and checked after each call. A library that writes past
+        the entries it was given (seen as heap corruption, ``free(): invalid next size``,
+        in processes sampling per-link counters) then writes into the guard rather than
+        the heap, and the write is reported once as a RuntimeWarning."""
+        key = (index, tuple(fields))
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = _FieldBuffer(self._nv, fields)
+        return buffer.read(self._handle(index))
+
+
+FIELD_GUARD = 16              # spare nvmlFieldValue_t entries after each query's
+_GUARD_FIELD_ID = 0xFFFFFFFF  # sentinel fieldId of the spare entries
+
+
+class _FieldBuffer:
+    """A reusable ``nvmlFieldValue_t`` array for one query, followed by guard entries whose
+    bytes are compared after every call."""
+
+    __slots__ = ("nv", "fn", "count", "array", "fields", "guard_at", "guard", "warned")
+
+    def __init__(self, nv, fields: Sequence[Tuple[int, int]]):
+        import ctypes
+        self.nv = nv
+        self.fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")
+        self.fields = list(fields)
+        n = len(self.fields)
+        self.count = ctypes.c_int32(n)
+        self.array = (nv.c_nvmlFieldValue_t * (n + FIELD_GUARD))()
+        for i in range(n, n + FIELD_GUARD):
+            self.array[i].fieldId = _GUARD_FIELD_ID
+        size = ctypes.sizeof(nv.c_nvmlFieldValue_t)
+        self.guard_at = ctypes.addressof(self.array) + n * size
+        self.guard = ctypes.string_at(self.guard_at, FIELD_GUARD * size)
+        self.warned = False
+
+    def read(self, handle) -> List[Optional[int]]:
+        import ctypes
+        array, n = self.array, len(self.fields)
+        for i, (field_id, scope) in enumerate(self.fields):
+            array[i].fieldId, array[i].scopeId = field_id, scope
+        ret = self.fn(handle, self.count, ctypes.byref(array))
+        if ctypes.string_at(self.guard_at, len(self.guard)) != self.guard:
+            ctypes.memmove(self.guard_at, self.guard, len(self.guard))
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"NVML wrote past the {n} field values it was asked for; the "
+                              "guard entries kept it off the heap", RuntimeWarning)
+        if ret != 0:
+            raise self.nv.NVMLError(ret)
+        return [_field_value(array[i]) for i in range(n)]
 
 
 _VALUE_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",

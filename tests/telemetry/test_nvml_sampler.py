@@ -195,3 +195,65 @@ def test_field_ids_match_nvml_headers():
     assert FIELD["speed_mbps"] == pynvml.NVML_FI_DEV_NVLINK_GET_SPEED
     assert FIELD["state"] == pynvml.NVML_FI_DEV_NVLINK_GET_STATE
     assert FIELD["replay"] == pynvml.NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL
+
+
+# --- the real backend's field buffer, against a fake library ----------------------------------
+
+class _FakeLib:
+    """What _FieldBuffer uses of pynvml: the struct, the error, a function pointer. The
+    function writes ``value = fieldId * 10 + scopeId`` into ``count + overrun`` entries."""
+
+    def __init__(self, overrun=0, ret=0):
+        import pynvml
+        self.c_nvmlFieldValue_t = pynvml.c_nvmlFieldValue_t
+        self.NVMLError = pynvml.NVMLError
+        self.overrun, self.ret, self.calls = overrun, ret, 0
+
+    def _nvmlGetFunctionPointer(self, name):
+        assert name == "nvmlDeviceGetFieldValues"
+
+        def fn(handle, count, array_ref):
+            import ctypes
+            self.calls += 1
+            array = ctypes.cast(ctypes.addressof(array_ref._obj),
+                                ctypes.POINTER(self.c_nvmlFieldValue_t))
+            for i in range(count.value + self.overrun):
+                entry = array[i]
+                entry.valueType, entry.nvmlReturn = 3, 0        # unsigned long long
+                entry.value.ullVal = entry.fieldId * 10 + entry.scopeId
+            return self.ret
+        return fn
+
+
+def test_field_buffer_reads_values_and_reuses_its_array():
+    pytest.importorskip("pynvml")
+    from commsched.telemetry.nvml import _FieldBuffer
+    lib = _FakeLib()
+    buffer = _FieldBuffer(lib, [(138, 0), (139, 5)])
+    array = buffer.array
+    assert buffer.read(None) == [1380, 1395]
+    assert buffer.read(None) == [1380, 1395] and buffer.array is array and lib.calls == 2
+
+
+def test_field_buffer_guard_catches_a_library_writing_past_the_end():
+    pytest.importorskip("pynvml")
+    from commsched.telemetry.nvml import _FieldBuffer
+    lib = _FakeLib(overrun=3)
+    buffer = _FieldBuffer(lib, [(138, 1)])
+    with pytest.warns(RuntimeWarning, match="wrote past the 1 field values"):
+        assert buffer.read(None) == [1381]
+    guard = bytes(buffer.guard)
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("error")                 # warned once; the guard is restored
+        assert buffer.read(None) == [1381]
+    import ctypes
+    assert ctypes.string_at(buffer.guard_at, len(guard)) == guard
+
+
+def test_field_buffer_raises_the_library_error():
+    pytest.importorskip("pynvml")
+    from commsched.telemetry.nvml import _FieldBuffer
+    lib = _FakeLib(ret=3)                        # NVML_ERROR_NOT_SUPPORTED
+    with pytest.raises(lib.NVMLError):
+        _FieldBuffer(lib, [(138, 1)]).read(None)
