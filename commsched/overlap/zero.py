@@ -160,10 +160,19 @@ class ZeroEngine(OverlapEngine):
             step_subset(self.optimizer, record, subsets)
         g.needs_gather = True
 
+    def _run_updates(self, record: StepRecord, groups: List[LayerGroup]) -> None:
+        # One step per group: each group's all-gather goes as soon as its update ran.
+        for g in groups:
+            self._update(g, record)
+
     def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
         super()._zero(g, set_to_none)
         g.consistent = True
         g.grads_full = True
+
+    def _run_zeros(self, groups: List[LayerGroup], set_to_none: bool) -> None:
+        for g in groups:
+            self._zero(g, set_to_none)
 
     def _advance(self, block_upto: int, upto: Optional[int] = None) -> None:
         """Move the all-gather cursor: groups <= block_upto wait for their gradients;
