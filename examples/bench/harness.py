@@ -394,14 +394,18 @@ def _tuned_setting(log: List[dict], config) -> Dict[str, Any]:
     return tuned
 
 
-def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
-    """commsched's own data-parallel mode (crossing the iteration barrier)."""
+def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
+                     **overrides) -> Dict[str, Any]:
+    """commsched's own data-parallel mode (crossing the iteration barrier); ``group_bytes``
+    is wrap()'s layer-group size (its default when None)."""
     commsched = benchlib.import_commsched()
     if not hasattr(commsched, "wrap"):
         raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
     config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.build_model()
-    model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config)
+    extra = {} if group_bytes is None else {"group_bytes": group_bytes}
+    model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config,
+                                      **extra)
     try:
         times = bench.time(bench.train_step(model, optimizer))
     finally:
@@ -461,6 +465,8 @@ MODES: List[Mode] = [
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
+    Mode("commsched_dp_g25", "6c data-parallel mode, 25 MiB layer groups",
+         lambda bench: run_commsched_dp(bench, group_bytes=25 << 20)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
