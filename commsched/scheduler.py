@@ -644,10 +644,13 @@ class _Lane:
             t_start = t_end - int(start.elapsed_time(end) * 1e6)
         else:
             t_start = chunk.t_dispatch_ns
+        name = req.steps[step]
+        # A step on a topology sub-group ("op:role") ran among that sub-group's ranks.
+        ranks = self.ranks if ":" not in name else self.topology.members[name.split(":")[1]]
         return ChunkRecord(
-            self.name, req.iteration, str(req.key), req.op, req.steps[step], req.decompose,
+            self.name, req.iteration, str(req.key), req.op, name, req.decompose,
             chunk.index, len(req.chunks), chunk.nbytes,
-            str(req.tensor.dtype).replace("torch.", ""), self.ranks, req.priority,
+            str(req.tensor.dtype).replace("torch.", ""), ranks, req.priority,
             req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
             "" if error is None else repr(error))
 

@@ -51,16 +51,20 @@ class Topology:
         position = ranks.index(me)
         self.node, self.local_rank = divmod(position, local_size)
         self.intra = self.inter = self.leaders = None
+        # Global ranks of this rank's sub-group per role (telemetry records them per step).
+        self.members = {}
         for n in range(self.nodes):
             members = ranks[n * local_size:(n + 1) * local_size]
             created = dist.new_group(members)
             if n == self.node:
-                self.intra = created
+                self.intra, self.members["intra"] = created, tuple(members)
         for i in range(local_size):
-            created = dist.new_group([ranks[n * local_size + i] for n in range(self.nodes)])
+            members = [ranks[n * local_size + i] for n in range(self.nodes)]
+            created = dist.new_group(members)
             if i == self.local_rank:
-                self.inter = created
-        created = dist.new_group([ranks[n * local_size] for n in range(self.nodes)])
+                self.inter, self.members["inter"] = created, tuple(members)
+        self.members["leaders"] = tuple(ranks[n * local_size] for n in range(self.nodes))
+        created = dist.new_group(list(self.members["leaders"]))
         self.is_leader = self.local_rank == 0
         self.leaders: Optional[object] = created if self.is_leader else None
         self.leader_rank = ranks[self.node * local_size]     # global rank of my node's leader

@@ -29,8 +29,9 @@ HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "bound")
 ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_python_hook",
              "ddp_commsched", "ddp_commsched_large", "ddp_commsched_route",
              "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
-             "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune", "ddp_commsched_route_fifo",
-             "commsched_dp", "commsched_dp_zero", "commsched_dp_g25", "megatron_stock", "megatron_patched")
+             "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune",
+             "ddp_commsched_route_fifo", "commsched_dp", "commsched_dp_zero", "commsched_dp_g4",
+             "megatron_stock", "megatron_patched")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
                "throughput_unit", "ratio_to_bound")

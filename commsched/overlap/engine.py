@@ -42,7 +42,7 @@ from commsched.config import Config
 from commsched.scheduler import Scheduler
 from commsched.telemetry import open_rank_recorder
 
-from .groups import LayerGroup, build_groups, grad_view_class
+from .groups import DEFAULT_GROUP_BYTES, LayerGroup, build_groups, grad_view_class
 from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subset,
                      update_mode)
 
@@ -64,7 +64,7 @@ class OverlapEngine:
     decompose = "none"
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 config: Config, group=None, *, group_bytes: int = 4 << 20,
+                 config: Config, group=None, *, group_bytes: int = DEFAULT_GROUP_BYTES,
                  reads_grads: bool = False, broadcast_buffers: bool = True,
                  scheduler: Optional[Scheduler] = None, observer=None):
         if not dist.is_initialized():

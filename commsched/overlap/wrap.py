@@ -23,6 +23,7 @@ import torch
 from commsched.config import Config
 
 from .engine import OverlapEngine
+from .groups import DEFAULT_GROUP_BYTES
 
 __all__ = ["OverlapDataParallel", "OverlapOptimizer", "wrap", "drain"]
 
@@ -147,7 +148,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         config: Optional[Config] = None, group=None, *, group_bytes: int = 4 << 20,
+         config: Optional[Config] = None, group=None, *, group_bytes: int = DEFAULT_GROUP_BYTES,
          reads_grads: bool = False, broadcast_buffers: bool = True, scheduler=None,
          observer=None) -> Tuple[OverlapDataParallel, OverlapOptimizer]:
     """Data-parallel training whose gradient communication overlaps the next forward.
@@ -159,7 +160,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``config`` defaults to ``Config.from_env()``; ``config.decompose == "rs_ag"`` selects
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
     in the next forward). ``group_bytes``: a layer group is closed at a module boundary
-    once it holds this many gradient bytes (0: one group per module). ``reads_grads``:
+    once it holds this many gradient bytes (default 25 MiB, DDP's bucket cap; 0: one group
+    per module). ``reads_grads``:
     the loop reads gradients between backward() and step() (gradient clipping, GradScaler);
     backward then waits for its communication, as DDP's does. ``broadcast_buffers``: as in
     DDP, buffers are broadcast from rank 0 at every training forward. ``scheduler`` /

@@ -24,9 +24,14 @@ def bus_factor(op: str, group_size: int) -> float:
 
     all_reduce moves ``2(n-1)/n`` of the tensor over each rank's busiest link (ring:
     reduce-scatter then all-gather); reduce_scatter and all_gather move ``(n-1)/n``, with the
-    byte count taken as the full (unsplit) tensor. Anything else (broadcast, ...) counts 1.
+    byte count taken as the full (unsplit) tensor. Anything else (broadcast, ...) counts 1,
+    except on a one-rank group, which moves nothing. A topology step ``"op:role"`` (e.g.
+    ``reduce_scatter:intra``) counts as its op over its sub-group.
     """
     n = max(int(group_size), 1)
+    op = op.split(":", 1)[0]
+    if n == 1:
+        return 0.0
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
     if op in ("reduce_scatter", "all_gather"):

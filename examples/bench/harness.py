@@ -465,8 +465,8 @@ MODES: List[Mode] = [
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
-    Mode("commsched_dp_g25", "6c data-parallel mode, 25 MiB layer groups",
-         lambda bench: run_commsched_dp(bench, group_bytes=25 << 20)),
+    Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
+         lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
