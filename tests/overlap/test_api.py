@@ -4,21 +4,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import commsched
 from commsched.overlap import OverlapOptimizer, drain, wrap
-from distributed import free_port
-
-
-@pytest.fixture(scope="module")
-def world1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _mlp():
