@@ -1,4 +1,5 @@
-"""NCCL on 2 GPUs: the scheduler and the DDP hook against plain NCCL and stock DDP.
+"""NCCL on 2 GPUs: the scheduler, the DDP hook and data-parallel mode against plain NCCL
+and stock DDP.
 
 Runs only where 2 GPUs are visible (the GPU machines); on CPU-only CI it is skipped.
 With 2 ranks every element of a sum is a + b whatever the chunking, so results must be
@@ -127,6 +128,38 @@ def _hook_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+def _train_wrapped(config, group_bytes, rank, steps=6):
+    """The same training as ``_train`` in commsched's data-parallel mode."""
+    torch.manual_seed(0)
+    model = Net().cuda()
+    model, opt = commsched.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config,
+                                group_bytes=group_bytes)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    for _ in range(steps):
+        loss = model(torch.randn(32, 512, device="cuda", generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    commsched.drain(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    model.close()
+    return params
+
+
+def _wrap_vs_stock_ddp(rank, world, port):
+    _init(rank, world, port)
+    ref = _train(None, dict(bucket_cap_mb=1), rank)
+    cases = [(commsched.Config(), None),                        # defaults: 25 MiB groups
+             (commsched.Config(), 0),                           # a group per layer
+             (commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10), 0),
+             (commsched.Config(decompose="rs_ag"), 0)]          # ZeRO-1 shards
+    for config, group_bytes in cases:
+        got = _train_wrapped(config, 25 << 20 if group_bytes is None else group_bytes, rank)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (config, group_bytes, (a - b).abs().max().item())
+    dist.destroy_process_group()
+
+
 def _spawn(fn, timeout=300):
     ctx = mp.start_processes(fn, args=(2, free_port()), nprocs=2, join=False,
                              start_method="spawn")
@@ -148,3 +181,7 @@ def test_future_resolves_after_device_completion():
 
 def test_hook_equals_stock_ddp_nccl():
     _spawn(_hook_vs_stock_ddp)
+
+
+def test_data_parallel_mode_equals_stock_ddp_nccl():
+    _spawn(_wrap_vs_stock_ddp)
