@@ -136,3 +136,60 @@ def test_host_costs_from_dispatch_spacing_and_credit_turnaround():
     assert issue == pytest.approx(30e-6)
     assert credit_return == pytest.approx(65e-6)
     assert counts == (2, 2)
+
+
+def collective_row(rank, key, start_us, end_us, dispatch_us=None, chunk=0, iteration=0):
+    return {"rank": rank, "lane": "g0", "iteration": iteration, "request_key": key,
+            "chunk_index": chunk, "op": "all_reduce", "step": "all_reduce",
+            "decompose": "none", "nbytes": MIB, "group_size": 2, "ok": 1,
+            "t_submit_ns": 0, "t_dispatch_ns": (start_us if dispatch_us is None
+                                                else dispatch_us) * 1000,
+            "t_start_ns": start_us * 1000, "t_end_ns": end_us * 1000}
+
+
+def test_join_ranks_starts_a_collective_when_the_last_rank_joins():
+    from commsched.sim.model import join_ranks
+    # Rank 1 got there at 0 and waited for rank 0, which started at 900 us: the step ran
+    # [900, 1000]; rank 1's row alone would say it took 1000 us.
+    rows = [collective_row(0, "a", 900, 1000), collective_row(1, "a", 0, 1010)]
+    (joined,) = join_ranks(rows)
+    assert (joined["t_start_ns"], joined["t_end_ns"]) == (900_000, 1_010_000)
+    assert joined["rank"] == -1
+
+
+def test_join_ranks_keeps_a_step_missing_on_a_rank_as_recorded():
+    from commsched.sim.model import join_ranks
+    rows = [collective_row(0, "a", 0, 100), collective_row(0, "b", 200, 300),
+            collective_row(1, "b", 250, 300)]
+    joined = sorted(join_ranks(rows), key=lambda r: r["t_start_ns"])
+    assert [(r["rank"], r["t_start_ns"]) for r in joined] == [(0, 0), (-1, 250_000)]
+
+
+def test_fit_sees_through_a_rank_waiting_for_its_peer():
+    # Isolated chunks; rank 1 always starts 5 ms early and records the wait.
+    rows, t = [], 0
+    for i, nbytes in enumerate([1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB] * 3):
+        for rank, start in ((0, t), (1, t - 5_000_000)):
+            r = row(start, nbytes, end=t + cost_ns(nbytes), rank=rank)
+            r.update(iteration=0, request_key=str(i), chunk_index=0)
+            rows.append(r)
+        t += 10**7
+    p = fit_cost_model(rows).lookup("all_reduce", "none", 2)
+    assert p.alpha == pytest.approx(ALPHA, rel=1e-3)
+    assert p.beta == pytest.approx(BETA, rel=1e-4)
+
+
+def test_credit_turnaround_is_measured_from_the_link_end_of_the_first_of_a_batch():
+    from commsched.sim.model import fit_host_costs
+    # Credit of two chunks. a and b start at 0 and 10 us and take 20 us each on the link
+    # (link ends 20, 40 us), but both ends are recorded at 500 us (one batch). c, held
+    # back, is dispatched at 510 us and starts at 530: a's credit admitted it, so the
+    # turnaround from a's link end is 510 us (the recorded end would say 30 us).
+    rows = [collective_row(0, "a", 0, 500), collective_row(0, "b", 10, 500),
+            collective_row(0, "c", 530, 550, dispatch_us=510)]
+    rows[2]["t_submit_ns"] = 0
+    _, credit_return, counts = fit_host_costs(rows, lambda r: 20e-6)
+    assert counts[1] == 1
+    assert credit_return == pytest.approx(510e-6)
+    _, recorded_only, _ = fit_host_costs(rows)
+    assert recorded_only == pytest.approx(30e-6)
