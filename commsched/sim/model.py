@@ -21,10 +21,17 @@ of the service times of the steps in it, so each busy period gives one equation:
 and the least-squares solution over all busy periods is the fit. A chunk that ran alone is
 a busy period of one step, i.e. the plain per-chunk regression.
 
+Busy periods are taken over collectives, not over one rank's rows (:func:`join_ranks`): a
+collective starts when the last rank joins it, and the rank that got there first records
+the wait as part of its step. On the recorded 2 x H200 runs the rank whose host runs ahead
+records 32 MiB all-reduces of 7-23 ms that take ~0.25 ms; per-rank busy periods then made
+the fit degenerate (alpha 0.8-1.5 ms, beta 0, or 150 GB/s on a 27 GB/s host path).
+
 A fitted model also carries two host-side costs of the scheduler (:func:`fit_host_costs`),
 which matter when chunks are short (NVLink: a 4 MiB all-reduce takes ~30 us): the time to
-issue one collective step, and the turnaround from a chunk's end to the start of the chunk
-its returned credit admits. Neither is part of a busy period.
+issue one collective step, and the turnaround from a chunk's (link) end to the start of
+the chunk its returned credit admits. Neither is part of a busy period. Both are means
+over their samples, as they add up along the critical path.
 """
 
 from __future__ import annotations
@@ -33,12 +40,12 @@ import bisect
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["SimError", "AlphaBeta", "FittedCostModel", "TopologyCostModel", "fit_alpha_beta",
-           "fit_cost_model", "fit_host_costs", "busy_periods", "TOPOLOGIES"]
+           "fit_cost_model", "fit_host_costs", "busy_periods", "join_ranks", "TOPOLOGIES"]
 
 STEPS = ("all_reduce", "reduce_scatter", "all_gather")
 TOPOLOGIES = ("ring", "tree", "hier")
@@ -156,18 +163,18 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBe
 
 
 def busy_periods(rows: Iterable[dict]) -> List[Tuple[Dict[tuple, Tuple[int, int]], float]]:
-    """Split ``comm_ops`` rows into busy periods per (rank, lane).
+    """Split ``comm_ops`` rows into busy periods per (run, rank, lane).
 
     Returns ``[(composition, seconds)]`` where composition maps a parameter key to
     (number of steps, bytes) in the period. Failed steps and empty intervals are skipped.
     """
-    by_link: Dict[Tuple[int, str], List[dict]] = {}
+    by_link: Dict[tuple, List[dict]] = {}
     for r in rows:
         if not r.get("ok", 1) or r["t_end_ns"] is None or r["t_start_ns"] is None:
             continue
         if r["t_end_ns"] < r["t_start_ns"]:
             continue
-        by_link.setdefault((r.get("rank", 0), r.get("lane", "")), []).append(r)
+        by_link.setdefault((r.get("run"), r.get("rank", 0), r.get("lane", "")), []).append(r)
     out = []
     for link_rows in by_link.values():
         link_rows.sort(key=lambda r: (r["t_start_ns"], r["t_end_ns"]))
@@ -207,17 +214,61 @@ def _group_size(r: dict) -> int:
     return len(ranks) if ranks else 1
 
 
+_IDENTITY = ("lane", "iteration", "request_key", "chunk_index", "step")
+
+
+def join_ranks(rows: Iterable[dict]) -> List[dict]:
+    """One row per collective step, from the rows every rank recorded of it.
+
+    A collective runs once on the shared link, but each rank records its own interval: a
+    rank that got there first records the wait for the others as part of its step (on a
+    2-rank NVLink run the rank whose host runs ahead records steps of 10-20 ms that take
+    0.25 ms). So the step is taken to start when the last rank started it (``t_start``,
+    ``t_dispatch``, ``t_submit``: the maximum over ranks) and to end when the last rank
+    saw it end (``t_end``: the maximum), as the replay takes readiness (maximum over
+    ranks). Steps missing on a rank of their group, and rows without the identity fields
+    (lane, iteration, request_key, chunk_index, step), are kept as they are; joined rows
+    carry ``rank = -1``. Rows with different ``run`` values (pooled runs) never join, nor
+    do the rows of one step recorded on different ``host`` values: their clocks differ.
+    """
+    groups: Dict[tuple, List[dict]] = {}
+    out: List[dict] = []
+    for r in rows:
+        if not r.get("ok", 1):
+            continue
+        if any(r.get(k) is None for k in _IDENTITY):
+            out.append(r)
+            continue
+        groups.setdefault((r.get("run"),) + tuple(r[k] for k in _IDENTITY), []).append(r)
+    for same in groups.values():
+        ranks = {r.get("rank", 0) for r in same}
+        size = int(same[0].get("group_size") or 0) or _group_size(same[0])
+        if (len(ranks) < 2 or len(ranks) != len(same) or len(ranks) < size
+                or len({r.get("host") for r in same}) > 1):
+            out.extend(same)
+            continue
+        joined = dict(same[0], rank=-1)
+        for k in ("t_submit_ns", "t_dispatch_ns", "t_start_ns", "t_end_ns"):
+            values = [r.get(k) for r in same]
+            joined[k] = None if any(v is None for v in values) else max(values)
+        out.append(joined)
+    return out
+
+
 def fit_cost_model(rows: Iterable[dict], *, source: str = "") -> FittedCostModel:
     """Fit alpha-beta parameters per (step, decompose, group size) from ``comm_ops`` rows
     (dicts as :func:`commsched.telemetry.load_run` returns them).
 
+    Rows of one collective from several ranks are first joined into one (:func:`join_ranks`).
     Least squares over busy periods (see the module docstring); then periods whose residual
     is more than 5 MADs (at least 5% of the median period) off are dropped once and the fit
     repeated, so that the first collectives of a run (communicator set-up) do not skew it.
     A key whose chunks all had one size has no identifiable alpha: it is fitted as pure
     bandwidth (alpha 0). A negative alpha or beta is pinned at 0 and the rest refitted.
+    The host costs (:func:`fit_host_costs`) are measured on the joined rows, credit
+    turnarounds from link ends replayed with the fitted costs.
     """
-    rows = list(rows)
+    rows = join_ranks(rows)          # one row per collective step (see join_ranks)
     periods = busy_periods(rows)
     if not periods:
         raise SimError("no completed collective steps to fit a cost model on")
@@ -233,7 +284,8 @@ def fit_cost_model(rows: Iterable[dict], *, source: str = "") -> FittedCostModel
     kept = [p for p, res in zip(periods, residuals) if abs(res) <= limit]
     if len(kept) < len(periods) and kept:
         params, _ = _solve(kept, distinct)
-    issue, credit_return, counts = fit_host_costs(rows)
+    issue, credit_return, counts = fit_host_costs(
+        rows, lambda r: params[_param_key(r)].cost_s(int(r["nbytes"])))
     model = FittedCostModel(source=source, issue_s=issue, credit_return_s=credit_return,
                             host_samples=counts)
     for key, p in params.items():
@@ -247,10 +299,15 @@ def fit_cost_model(rows: Iterable[dict], *, source: str = "") -> FittedCostModel
 
 PROMPT_NS = 100_000            # dispatched within 100 us of submission: not held back
 GATE_WINDOW_NS = 2_000_000    # a dispatch this soon after a chunk end was admitted by it
+# Longest single host delay taken as one (issue or credit turnaround). On the 2 x H200
+# runs the scheduler's stalls reach ~13 ms; the few samples beyond (160-180 ms) span a
+# whole backward pass: waits the classification let through, not a host cost.
+MAX_HOST_DELAY_S = 0.05
 
 
-def fit_host_costs(rows: Iterable[dict]) -> Tuple[float, float, Tuple[int, int]]:
-    """Host-side costs of the scheduler from ``comm_ops`` rows, per (rank, lane):
+def fit_host_costs(rows: Iterable[dict], cost_s: Optional[Callable[[dict], float]] = None
+                   ) -> Tuple[float, float, Tuple[int, int]]:
+    """Host-side costs of the scheduler from ``comm_ops`` rows, per (run, rank, lane):
 
     issue          chunk m+1 already submitted when chunk m was dispatched, and no step
                    finished in between: nothing but issuing m's steps separated them, so
@@ -260,15 +317,24 @@ def fit_host_costs(rows: Iterable[dict]) -> Tuple[float, float, Tuple[int, int]]
                    in between: that chunk's credit admitted it, so ``start[m+1] - that end``
                    samples the turnaround.
 
-    Returns (median issue seconds, median credit-return seconds, (samples, samples));
-    0 where there is no sample.
+    With ``cost_s`` (seconds of one step row on the link, e.g. the fitted alpha-beta), the
+    turnaround is measured from the gating chunk's *link* end, reconstructed as the engine
+    computes it: each step starts at max(its recorded start, the previous step's link end) and
+    takes ``cost_s``. Recorded ends lag the link: the end event is recorded on the done stream
+    once the host got to it, and on a busy host several chunks' ends come out at one instant
+    (NVLink, partition 1 MiB, credit 4 MiB: groups of 4 chunks of ~17 us each, recorded
+    ending together ~500 us after the first started). The engine returns credit
+    ``credit_return_s`` after its own (link) end, so the lag belongs in the turnaround.
+
+    Returns (issue seconds, credit-return seconds, (samples, samples)), each the mean of
+    its samples (:func:`_sum_estimate`); 0 where there is no sample.
     """
-    by_link: Dict[Tuple[int, str], Dict[tuple, dict]] = {}
+    by_link: Dict[tuple, Dict[tuple, dict]] = {}
     needed = ("t_dispatch_ns", "t_submit_ns", "request_key", "chunk_index", "iteration")
     for r in rows:
         if not r.get("ok", 1) or any(r.get(k) is None for k in needed):
             continue
-        chunks = by_link.setdefault((r.get("rank", 0), r.get("lane", "")), {})
+        chunks = by_link.setdefault((r.get("run"), r.get("rank", 0), r.get("lane", "")), {})
         c = chunks.setdefault((r["iteration"], r["request_key"], r["chunk_index"]), {
             "dispatch": r["t_dispatch_ns"], "submit": r["t_submit_ns"],
             "start": r["t_start_ns"], "end": r["t_end_ns"], "steps": 0, "step_ends": []})
@@ -276,16 +342,27 @@ def fit_host_costs(rows: Iterable[dict]) -> Tuple[float, float, Tuple[int, int]]
         c["steps"] += 1
         c["start"] = min(c["start"], r["t_start_ns"])
         c["end"] = max(c["end"], r["t_end_ns"])
+        c.setdefault("rows", []).append(r)
     issue: List[float] = []
     turnaround: List[float] = []
     for chunks in by_link.values():
+        if cost_s is not None:
+            _link_ends(chunks.values(), cost_s)
         seq = sorted(chunks.values(), key=lambda c: c["dispatch"])
-        ends = sorted(c["end"] for c in seq)
+        by_end = sorted(seq, key=lambda c: c["end"])
+        ends = [c["end"] for c in by_end]
         step_ends = sorted(t for c in seq for t in c["step_ends"])
         submits = sorted({c["submit"] for c in seq})
         for prev, cur in zip(seq, seq[1:]):
             j = bisect.bisect_right(ends, cur["dispatch"]) - 1
             last_end = ends[j] if j >= 0 else None
+            # Ends recorded at one instant (a batch, see above) returned their credits in
+            # dispatch order: the first of them admitted this chunk.
+            link_end = None
+            while j >= 0 and ends[j] == last_end:
+                e = by_end[j].get("link_end", last_end)
+                link_end = e if link_end is None else min(link_end, e)
+                j -= 1
             gated = last_end is not None and last_end > prev["dispatch"]
             # Any step finishing in between may have been what let the dispatch go on
             # (gloo issues a chunk's all-gather only once its reduce-scatter finished).
@@ -296,10 +373,33 @@ def fit_host_costs(rows: Iterable[dict]) -> Tuple[float, float, Tuple[int, int]]
                   and cur["dispatch"] - last_end <= GATE_WINDOW_NS
                   and not _any_between(submits, last_end, cur["dispatch"])):
                 # (a submission in between may be what released it: plan head of line)
-                turnaround.append(max(0, cur["start"] - last_end) * 1e-9)
-    med = statistics.median
-    return (med(issue) if issue else 0.0, med(turnaround) if turnaround else 0.0,
-            (len(issue), len(turnaround)))
+                turnaround.append(max(0, cur["start"] - link_end) * 1e-9)
+    return (_sum_estimate(issue), _sum_estimate(turnaround), (len(issue), len(turnaround)))
+
+
+def _sum_estimate(samples: List[float]) -> float:
+    """The per-event delay to charge when many such delays add up on the critical path:
+    their mean, not their median. The samples are skewed right (NVLink, partition 1 MiB:
+    credit turnarounds of median 504 us, mean 594 us; stalls of 2-10 ms now and then), and
+    over ~1600 chunks a median-based replay runs ~10% short. Samples over
+    :data:`MAX_HOST_DELAY_S` are left out: they are not one host delay. 0 without samples."""
+    kept = [x for x in samples if x <= MAX_HOST_DELAY_S]
+    return sum(kept) / len(kept) if kept else 0.0
+
+
+def _link_ends(chunks, cost_s: Callable[[dict], float]) -> None:
+    """Set each chunk's ``link_end``: its steps replayed on a serial link from their
+    recorded starts with ``cost_s`` seconds each (the engine's timeline, on recorded
+    starts); ``link_end`` defaults to the recorded end."""
+    steps = sorted(((r["t_start_ns"], r["t_end_ns"], id(c), r) for c in chunks
+                    for r in c["rows"]), key=lambda s: s[:3])
+    owner = {id(c): c for c in chunks}
+    free = None
+    for start, _, cid, r in steps:
+        begin = start if free is None else max(start, free)
+        free = begin + int(round(cost_s(r) * 1e9))
+        c = owner[cid]
+        c["link_end"] = max(c.get("link_end", free), free)
 
 
 def _any_between(sorted_times: List[int], lo: int, hi: int) -> bool:

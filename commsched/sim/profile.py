@@ -29,9 +29,15 @@ plan                with policy priority, the plan the scheduler used in the ste
                     profile of the iteration before the first planned one, with the cost per
                     byte (chunk dispatch to completion) of every chunk before it.
 
-Times are relative to the iteration's first submission on each rank; across ranks the
-maximum is kept (a collective starts when the slowest rank joins), as the scheduler itself
-reduces readiness profiles with MAX.
+Times are relative to the iteration's first submission on any rank when every rank ran on
+one host (``runs.host``: one clock), else to the iteration's first submission on each rank;
+across ranks the maximum is kept (a collective starts when the slowest rank joins). One
+clock matters when one rank's host runs ahead: on the 2 x H200 runs rank 1 submits 6-23 ms
+before rank 0 and waits in every collective, and per-rank clocks shifted its last chunk end
+by that lead, which showed as exposed communication (NVLink, partition 32 MiB: 8.9 ms
+"exposed" where 0.1 ms was) and shortened the tail by as much. The priority plan is still
+rebuilt from per-rank submission times (MAX over ranks), as the scheduler measured them
+(``RecordedIteration.plan_submit_s``).
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class RecordedIteration:
     planned: bool
     layout: Tuple[Tuple[str, int, int], ...]     # (key, bytes, chunks) in submission order
     order: Tuple[Tuple[str, int], ...] = ()      # recorded dispatch order (key, chunk)
+    # per request, submission as the scheduler measured it (from the rank's own first
+    # submission, MAX over ranks): what its plan was built from
+    plan_submit_s: Tuple[Tuple[str, float], ...] = ()
 
     @property
     def exposed_s(self) -> float:
@@ -144,6 +153,18 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
               for key, it in lane_iters.items() if key in chunks}
     for key in chunks:
         starts.setdefault(key, min(r["t_submit_ns"] for r in chunks[key]))
+    # One host, one clock: every rank's times are taken from the iteration's first
+    # submission on any rank (see the module docstring).
+    hosts = {r.get("host") for r in data.runs if r.get("rank") in ranks}
+    common = len(hosts) == 1 and None not in hosts and len(
+        {r.get("rank") for r in data.runs} & set(ranks)) == len(ranks)
+    if common:
+        origin = {}
+        for (rank, i), t in starts.items():
+            origin[i] = min(origin.get(i, t), t)
+        origins = {(rank, i): origin[i] for rank, i in starts}
+    else:
+        origins = starts
 
     indices = sorted({i for _, i in chunks})
     out: List[RecordedIteration] = []
@@ -152,7 +173,8 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
         per_rank = []
         for rank in ranks:
             got = _rank_iteration(rank, i, chunks.get((rank, i)), lane_iters.get((rank, i)),
-                                  starts.get((rank, i)), lead[rank], readiness)
+                                  origins.get((rank, i)), lead[rank], readiness,
+                                  starts.get((rank, i)))
             if got is None:
                 break
             per_rank.append(got)
@@ -172,9 +194,12 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
         compute_end = max(p["compute_end"] for p in per_rank)
         comm_end = max(p["comm_end"] for p in per_rank)
         tail = max(0.0, measured - max(compute_end, comm_end)) if measured is not None else 0.0
+        plan_submit = tuple((key, max(p["requests"][key]["own_submit"] for p in per_rank))
+                            for key in first["requests"])
         out.append(RecordedIteration(
             i, IterationProfile(tuple(requests), compute_end, tail), measured, comm_end,
-            all(p["planned"] for p in per_rank), first["layout"], first["order"]))
+            all(p["planned"] for p in per_rank), first["layout"], first["order"],
+            plan_submit))
     if skipped:
         notes.append(f"{skipped} lane iteration(s) skipped: chunks missing on a rank, or "
                      f"ranks disagreeing on the requests")
@@ -182,7 +207,11 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
         raise SimError(f"{data.run_dir}: no complete iteration on lane {lane}")
     steady = _steady(out, config, notes)
     steady_ids = {it.iteration for it in steady}
-    fit_rows = [r for r in rows if r["iteration"] in steady_ids]
+    # tagged with the run (rows of several runs may be pooled into one fit) and the host
+    # (join_ranks compares times of one collective across ranks only on one clock)
+    host = {r.get("rank"): r.get("host") for r in data.runs}
+    fit_rows = [dict(r, run=data.run_dir, host=host.get(r["rank"])) for r in rows
+                if r["iteration"] in steady_ids]
     run = RecordedRun(data.run_dir, lane, world, ranks, config, out, steady, fit_rows, notes)
     _check_partition(run)
     run.plan = _recorded_plan(run, chunks)
@@ -219,8 +248,9 @@ def _recorded_plan(run: RecordedRun, chunks) -> Optional[Dict[str, Plan]]:
             nbytes += size
         costs.append(seconds / nbytes if nbytes else 0.0)
     config = run.sim_config()
-    profile = [RequestProfile(r.key, r.priority, r.dispatchable_s, chunk_bytes(r, config))
-               for r in source.profile.requests]
+    submit = dict(source.plan_submit_s)
+    profile = [RequestProfile(r.key, r.priority, submit.get(r.key, r.dispatchable_s),
+                              chunk_bytes(r, config)) for r in source.profile.requests]
     run.notes.append(f"replaying the recorded plan: built from iteration {first - 1}'s "
                      f"profile, in force from iteration {first}")
     return {run.lane: build_plan(profile, config.credit_bytes, max(costs))}
@@ -267,9 +297,11 @@ def _first_chunks(rows: List[dict]) -> Dict[str, dict]:
     return first
 
 
-def _rank_iteration(rank, i, rows, it_row, t0, lead, readiness) -> Optional[dict]:
+def _rank_iteration(rank, i, rows, it_row, t0, lead, readiness, own_t0=None
+                    ) -> Optional[dict]:
     if not rows or t0 is None:
         return None
+    own_t0 = t0 if own_t0 is None else own_t0
     if it_row is not None and not it_row.get("complete", 1):
         return None
     by_key: Dict[str, dict] = {}
@@ -294,6 +326,7 @@ def _rank_iteration(rank, i, rows, it_row, t0, lead, readiness) -> Optional[dict
         requests[key] = {"nbytes": sum(req["chunks"].values()), "priority": req["priority"],
                          "op": req["op"], "itemsize": req["itemsize"],
                          "ready": (ready - t0) * 1e-9, "submit": (submit - t0) * 1e-9,
+                         "own_submit": (submit - own_t0) * 1e-9,
                          "chunk_bytes": tuple(req["chunks"][c] for c in sorted(req["chunks"]))}
     flush = it_row.get("t_flush_ns") if it_row else None
     last_ready = max(r["ready"] for r in requests.values())

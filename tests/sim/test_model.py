@@ -193,3 +193,37 @@ def test_credit_turnaround_is_measured_from_the_link_end_of_the_first_of_a_batch
     assert credit_return == pytest.approx(510e-6)
     _, recorded_only, _ = fit_host_costs(rows)
     assert recorded_only == pytest.approx(30e-6)
+
+
+def test_host_costs_charge_the_mean_delay_not_the_median():
+    from commsched.sim.model import MAX_HOST_DELAY_S, fit_host_costs
+    # Rank 0 issues four chunks back to back (submitted at 0, none finishes meanwhile):
+    # spacings 100, 100, 400 us. Many such delays add up on the critical path, so the
+    # issue cost is their mean, 200 us (the median would say 100).
+    rows = [host_row(0, k, d, d, 500_000) for k, d in (("a", 0), ("b", 100), ("c", 200),
+                                                      ("d", 600))]
+    issue, _, counts = fit_host_costs(rows)
+    assert issue == pytest.approx(200e-6)
+    assert counts[0] == 3
+    # A spacing longer than MAX_HOST_DELAY_S is not one host delay: left out.
+    late = MAX_HOST_DELAY_S * 1e6 + 1000
+    rows.append(host_row(0, "e", 600 + late, 600 + late, 600 + late + 10))
+    issue, _, counts = fit_host_costs(rows)
+    assert issue == pytest.approx(200e-6)
+    assert counts[0] == 4
+
+
+def test_pooled_runs_are_not_joined_with_each_other():
+    from commsched.sim.model import join_ranks
+    # Two runs that both recorded iteration 0, request "a", chunk 0 on ranks 0 and 1.
+    rows = [dict(collective_row(rank, "a", start, 100), run=run)
+            for run, start in (("r1", 0), ("r2", 50)) for rank in (0, 1)]
+    joined = sorted(join_ranks(rows), key=lambda r: r["run"])
+    assert [(r["run"], r["rank"], r["t_start_ns"]) for r in joined] == [
+        ("r1", -1, 0), ("r2", -1, 50_000)]
+
+
+def test_ranks_on_different_hosts_are_not_joined():
+    from commsched.sim.model import join_ranks
+    rows = [dict(collective_row(rank, "a", 0, 100), host=f"node{rank}") for rank in (0, 1)]
+    assert sorted(r["rank"] for r in join_ranks(rows)) == [0, 1]
