@@ -239,7 +239,11 @@ class OverlapEngine:
         finally:
             self._bw = False
         if self.reads_grads:
-            self.settle_all()
+            self._make_grads_readable()
+
+    def _make_grads_readable(self) -> None:
+        """``reads_grads``: the loop reads gradients before step(); finish what they need."""
+        self.settle_all()
 
     def _submit_ready(self) -> None:
         while self._next >= 0:

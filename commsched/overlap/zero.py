@@ -268,13 +268,9 @@ class ZeroEngine(OverlapEngine):
         for req in gathers:
             req.wait()
 
-    def _end_backward(self) -> None:
-        try:
-            self._flush()
-        finally:
-            self._bw = False
-        if self.reads_grads:
-            self.on_grad_access()
+    def _make_grads_readable(self) -> None:
+        # The full gradients are gathered back (shards only were reduced in backward).
+        self.on_grad_access()
 
     # ---- state dicts ----------------------------------------------------------------------
     def optimizer_state_dict(self) -> dict:

@@ -58,24 +58,24 @@ def _world_sizes(text: str) -> List[int]:
     return sizes
 
 
-def _positive(text: str) -> float:
+def _number(text: str, *, positive: bool) -> float:
+    """A finite float, > 0 (``positive``) or >= 0, for argparse."""
     try:
         v = float(text)
     except ValueError:
         v = -1.0
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number")
+    if not (v > 0 if positive else v >= 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {'a positive number' if positive else 'a number >= 0'}")
     return v
+
+
+def _positive(text: str) -> float:
+    return _number(text, positive=True)
 
 
 def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0")
-    return v
+    return _number(text, positive=False)
 
 
 def _bytes(name: str):
