@@ -42,8 +42,11 @@ class Chunk:
         self.start_event = None
 
     def view(self) -> torch.Tensor:
-        """The contiguous slice of an all-reduce chunk."""
-        return self.request.tensor.narrow(0, self.offset, self.numel)
+        """The contiguous slice of an all-reduce chunk (the tensor itself when whole)."""
+        tensor = self.request.tensor
+        if self.offset == 0 and self.numel == tensor.numel():
+            return tensor
+        return tensor.narrow(0, self.offset, self.numel)
 
     def shard_pieces(self) -> List[torch.Tensor]:
         """Piece ``index`` of every shard (reduce-scatter / all-gather chunks)."""

@@ -34,12 +34,21 @@ Invariant 2 (completion means device completion): credit is returned and request
 are resolved by a completion thread per lane that blocks (GIL released) in
 ``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded after the collective
 on a watch stream (NCCL), never when the collective was merely enqueued.
+
+Completion hand-off. Waking the completion thread costs a GIL hand-off each way, more than
+issuing the collective itself, so it is woken only for what somebody waits on: a chunk whose
+credit, gloo future or gloo next step is needed, or whose padded copy should be freed
+("urgent"), the end of a dispatched iteration, ``drain()``, or ``LAZY_ITEMS`` unfinished
+chunks. On NCCL, with an unbounded
+credit window, nothing is urgent (futures carry CUDA stream semantics and resolve at
+dispatch): an iteration's chunks are then completed in one batch, by one wait on the
+newest (the watch stream completes them in issue order); their device times come from
+timing events mapped onto the host clock, not from when the thread got to them.
 """
 
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from typing import Dict, Hashable, List, Optional
@@ -61,6 +70,10 @@ from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+# Unfinished chunks that may wait for their completion before the completion thread is
+# woken for them anyway (bounds the events and staging buffers they hold).
+LAZY_ITEMS = 64
 
 
 class SchedulerError(RuntimeError):
@@ -158,13 +171,21 @@ class _Lane:
         self.bytes_dispatched = 0
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
-        self.pending: "queue.SimpleQueue" = queue.SimpleQueue()
+        # Issued, not yet completed, in issue order: [chunk, step, work, start event,
+        # end event, error]. in_flight[0] has sequence number head_seq; every item up to
+        # sequence number must_complete is waited for as soon as possible (see the module
+        # docstring, "Completion hand-off").
+        self.in_flight: "collections.deque[list]" = collections.deque()
+        self.head_seq = 0
+        self.must_complete = -1
+        self.wake = threading.Condition(self.lock)
+        self.completion_batches = 0
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
         self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
-        self.progress = time.monotonic()              # last dispatch or completion
         self.waiting_item = None                      # what the completion thread waits on
+        self.waiting_since = 0.0
         self.stopping = threading.Event()
         self.topology: Optional[Topology] = None      # created on first use, every rank
         self.events: "collections.deque" = collections.deque()
@@ -174,10 +195,16 @@ class _Lane:
         self.collecting = False
         self.tuner: Optional[Tuner] = Tuner(self) if self.config.autotune else None
         # --- end autotune
+        # CUDA events are timed when telemetry or the tuner needs device durations.
+        self.timed = self.observer is not None or self.tuner is not None
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
             self.future_stream = torch.cuda.Stream(device)
+            self.clock_stream = torch.cuda.Stream(device)     # idle: maps events to host time
+            # (not blocking: it completes at once, and a sleeping wait would add its wake-up
+            # latency to every mapped time)
+            self.clock_event = torch.cuda.Event(enable_timing=True)
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
         self.thread = threading.Thread(target=self._completion_loop,
                                        name=f"commsched-{name}", daemon=True)
@@ -312,9 +339,11 @@ class _Lane:
                         self.verify_queue.append((it.index, it.crc, it.sequence))
                     if self.tuner is not None:    # autotune: layouts, windows, in order
                         self.tuner.iteration_dispatched(it)
+                    self._ring()                  # complete the iteration's chunks
                     self.idle.notify_all()
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
+                    self._ring()                  # dispatch waits for a completion
                     return
                 if it.plan is not None and it.plan_pos < len(it.plan.order):
                     it.plan_pos += 1
@@ -328,6 +357,7 @@ class _Lane:
                 self.cur_chunk, self.cur_step = chunk, 0
             step = self.cur_step
             if step and not self.stream_ordered and chunk.steps_done < step:
+                self._ring()                      # dispatch waits for a completion
                 return
             self._issue(chunk, step)
             self.cur_step = step + 1
@@ -437,10 +467,10 @@ class _Lane:
 
     def _fail_futures(self, requests: List[Request]) -> None:
         error = self.failure
+        if not isinstance(error, SchedulerError):
+            error = SchedulerError(str(error))
         for req in requests:
-            if not req.future.done():
-                req.future.set_exception(error if isinstance(error, SchedulerError)
-                                         else SchedulerError(str(error)))
+            _settle_future(req.future, error=error)
 
     def _watchdog(self) -> None:
         """Turn a collective that never completes (a dead peer, mismatched collectives)
@@ -450,23 +480,20 @@ class _Lane:
             with self.lock:
                 if self.failure is not None:
                     return
-                stalled = time.monotonic() - self.progress
-                if not self.in_flight_bytes or stalled <= self.timeout_s:
-                    continue
+                # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
                 item = self.waiting_item
-                what = "a collective"
-                if item is not None:
-                    chunk, step = item[0], item[1]
-                    req = chunk.request
-                    what = (f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of "
-                            f"request {req.key!r} ({chunk.nbytes} bytes, iteration "
-                            f"{req.iteration})")
+                if item is None or time.monotonic() - self.waiting_since <= self.timeout_s:
+                    continue
+                chunk, step = item[0], item[1]
+                req = chunk.request
+                what = (f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of "
+                        f"request {req.key!r} ({chunk.nbytes} bytes, iteration {req.iteration})")
                 self._fail(SchedulerError(
                     f"commsched: {what} on lane {self.name} (ranks {list(self.ranks)}) did "
                     f"not complete within {self.timeout_s:.0f} s (COMMSCHED_TIMEOUT_S); a peer "
                     f"may have died or the ranks issued different collectives"))
                 failed = self._take_failed_requests()
-            if item is not None and self.observer is not None:
+            if self.observer is not None:
                 self.observer.on_chunk(self._record(item[0], item[1], None, None,
                                                     self.failure, time.time_ns()))
             self._fail_futures(failed)
@@ -474,7 +501,6 @@ class _Lane:
 
     def _issue(self, chunk: Chunk, step: int) -> None:
         req = chunk.request
-        self.progress = time.monotonic()
         if self.trace_dispatch:
             self.dispatch_log.append((req.iteration, req.key, chunk.index, step))
         if self.config.verify and not req.steps[step].endswith(":leaders"):
@@ -487,6 +513,9 @@ class _Lane:
         nvtx = self.config.nvtx
         if nvtx:
             nvtx_range_push(f"commsched {req.steps[step]} {req.key}#{chunk.index}")
+        last = step == len(req.steps) - 1
+        if last:
+            req.chunks_issued += 1
         if self.cuda:
             # Issue from the launch stream, which waits only for the request's ready event:
             # issued from the caller's stream, the collective would also wait for whatever
@@ -509,24 +538,44 @@ class _Lane:
                 # futures: the CPU need not wait for the device to go on).
                 torch.cuda.set_stream(self.done_stream)
                 work.wait()
-                last = step == len(req.steps) - 1
                 if last:
                     finish_chunk(chunk)
                 end = self._event()
                 end.record(self.done_stream)
-                if last:
-                    req.chunks_issued += 1
-                    if req.chunks_issued == len(req.chunks):
-                        req.done_event = torch.cuda.Event()
-                        req.done_event.record(self.done_stream)
-                        self.dispatched.append(req)
+                if last and req.chunks_issued == len(req.chunks):
+                    req.done_event = torch.cuda.Event()
+                    req.done_event.record(self.done_stream)
+                    self.dispatched.append(req)
             finally:
                 torch.cuda.set_stream(caller)
-            self.pending.put([chunk, step, work, start, end, None])
+            self.in_flight.append([chunk, step, work, start, end, None])
         else:
-            self.pending.put([chunk, step, issue_step(chunk, step), None, None, None])
+            self.in_flight.append([chunk, step, issue_step(chunk, step), None, None, None])
         if nvtx:
             nvtx_range_pop()
+        if self._urgent(chunk, last) or len(self.in_flight) >= LAZY_ITEMS:
+            self._ring()
+
+    def _urgent(self, chunk: Chunk, last: bool) -> bool:
+        """Whether somebody waits for this step's completion (see "Completion hand-off")."""
+        if self.credit_bytes:
+            return True                   # the credit it returns may be what dispatch waits for
+        if chunk.staging is not None:
+            return True                   # a padded copy: free it as soon as it is done
+        req = chunk.request
+        if self.cuda:
+            return False                  # futures resolve at dispatch, steps are stream-ordered
+        # gloo: the request's future, the chunk's next step, and the recorded device times
+        # (no events to recover them from later) need the completion when it happens.
+        return (not last or req.chunks_issued == len(req.chunks)
+                or self.observer is not None or self.collecting)
+
+    def _ring(self) -> None:
+        """Have the completion thread complete everything issued so far (lock held)."""
+        newest = self.head_seq + len(self.in_flight) - 1
+        if newest > self.must_complete:
+            self.must_complete = newest
+            self.wake.notify()
 
     def _event(self):
         """A CUDA event from the lane's pool (timed when telemetry needs durations)."""
@@ -535,24 +584,27 @@ class _Lane:
         except IndexError:
             # blocking: the completion thread sleeps in synchronize() instead of spinning
             # (measured: a spinning wait burned ~40 ms of CPU per GPT iteration on H200).
-            timed = self.observer is not None or self.tuner is not None     # (autotune)
-            return torch.cuda.Event(enable_timing=timed, blocking=True)
+            return torch.cuda.Event(enable_timing=self.timed, blocking=True)
 
     # ---- completion (completion thread) --------------------------------------------------
     def _completion_loop(self) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device)
-        item = self.pending.get()
-        while item is not None:
-            self.waiting_item = item
+        while True:
+            with self.lock:
+                while self.must_complete < self.head_seq:
+                    if self.stopping.is_set():
+                        return            # (close() rang: everything issued was completed)
+                    self.wake.wait()
+                # NCCL: the watch stream completes items in issue order, so one wait on the
+                # last item that must complete covers every item before it; under a credit
+                # window the oldest goes first, as its credit is what dispatch waits for.
+                ordered = self.stream_ordered and not self.credit_bytes
+                index = self.must_complete - self.head_seq if ordered else 0
+                item = self.in_flight[index]
+                self.waiting_item, self.waiting_since = item, time.monotonic()
             self._wait(item)
-            # Everything that finished meanwhile is completed under one lock acquisition:
-            # fewer hand-offs of the GIL between this thread and the training thread.
-            batch = [item]
-            item = self._next_if_done(batch)
-            self._complete(batch)
-            if item is False:
-                item = self.pending.get()
+            self._complete(item)
 
     def _wait(self, item: list) -> None:
         """Block (GIL released) until the item's collective finished on the device: on
@@ -565,29 +617,55 @@ class _Lane:
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
             item[5] = exc
 
-    def _next_if_done(self, batch: list):
-        """Move already-finished items into ``batch``; return the first unfinished one
-        (False when the queue is empty, None when the lane is closing)."""
-        while True:
-            try:
-                item = self.pending.get_nowait()
-            except queue.Empty:
-                return False
-            if item is None:
-                return None
-            if not (item[4].query() if item[4] is not None else item[2].is_completed()):
-                return item
-            self._wait(item)          # returns at once; surfaces a failure
+    def _take_finished(self, waited: list) -> list:
+        """Pop, in issue order, the items up to ``waited`` (finished: the thread waited for
+        it, and on NCCL what precedes it finished first) and any finished after it; lock
+        held. Everything that finished is completed under one lock acquisition: fewer
+        hand-offs of the GIL between this thread and the training thread."""
+        batch = []
+        in_flight = self.in_flight
+        seen = False
+        while in_flight:
+            item = in_flight[0]
+            if seen and not (item[4].query() if item[4] is not None
+                             else item[2].is_completed()):
+                break
+            in_flight.popleft()
+            self.head_seq += 1
+            if item is waited:
+                seen = True
+            else:
+                self._wait(item)          # returns at once; surfaces a failure
             batch.append(item)
+        return batch
 
-    def _complete(self, batch: list) -> None:
-        t_end = time.time_ns()
+    def _end_times(self, batch: list, t_seen: int) -> List[int]:
+        """Host-clock time at which each item finished on the device. With CUDA timing
+        events: its end event mapped onto the host clock through an event recorded now on
+        an idle stream (the thread may get to an item long after it finished); otherwise
+        when the thread saw it finish."""
+        if not (self.cuda and self.timed):
+            return [t_seen] * len(batch)
+        clock = self.clock_event
+        clock.record(self.clock_stream)
+        clock.synchronize()
+        t_clock = time.time_ns()
+        try:
+            return [t_clock - int(item[4].elapsed_time(clock) * 1e6) for item in batch]
+        except RuntimeError:              # an event that did not complete (a failure)
+            return [t_seen] * len(batch)
+
+    def _complete(self, waited: list) -> None:
+        t_seen = time.time_ns()
         records = []
         finished = []
         failed: List[Request] = []
         with self.lock:
-            self.progress = time.monotonic()
-            for chunk, step, _, start, end, error in batch:
+            self.waiting_item = None
+            self.completion_batches += 1
+            batch = self._take_finished(waited)
+            t_ends = self._end_times(batch, t_seen)
+            for (chunk, step, _, start, end, error), t_end in zip(batch, t_ends):
                 req = chunk.request
                 chunk.steps_done = step + 1
                 if error is not None:
@@ -611,7 +689,7 @@ class _Lane:
                         finished.append((req, chunk, step, None))
                         self.outstanding.pop(id(req), None)
                 if self.observer is not None or self.collecting:     # (autotune: rank 0)
-                    records.append((chunk, step, start, end, error))
+                    records.append((chunk, step, start, end, error, t_end))
             if self.failure is None:
                 self._pump()
             if self.failure is not None:
@@ -619,23 +697,20 @@ class _Lane:
                 failed = self._take_failed_requests()
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
-        for chunk, step, start, end, error in records:
+        for chunk, step, start, end, error, t_end in records:
             record = self._record(chunk, step, start, end, error, t_end)
             if self.observer is not None:
                 self.observer.on_chunk(record)
             if self.tuner is not None:        # autotune: rank 0's profile of device times
                 self.tuner.on_chunk(record)
-        for _, _, start, end, _ in records:
+        for _, _, start, _, _, _ in records:
             if start is not None:
                 self.events.append(start)
         for item in batch:
             if item[4] is not None:
                 self.events.append(item[4])
         for req, chunk, step, error in finished:
-            if error is None:
-                req.future.set_result(req.tensor)
-            elif not req.future.done():
-                req.future.set_exception(error)
+            _settle_future(req.future, req.tensor, error)
         self._fail_futures(failed)
 
     def _record(self, chunk: Chunk, step: int, start, end, error, t_end: int) -> ChunkRecord:
@@ -657,6 +732,7 @@ class _Lane:
     def drain(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
+            self._ring()
             while (self.iterations or self.in_flight_bytes) and self.failure is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -669,10 +745,32 @@ class _Lane:
 
     def close(self) -> None:
         self.stopping.set()
-        self.pending.put(None)
+        # The completion thread completes what was issued, then ends. (A thread stuck in a
+        # failed collective may hold the lock: do not wait for it.)
+        if self.lock.acquire(timeout=1):
+            try:
+                self._ring()
+                self.wake.notify()
+            finally:
+                self.lock.release()
         # After a failure the completion thread may be stuck in a collective that will
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
+
+
+def _settle_future(future, value=None, error: Optional[BaseException] = None) -> None:
+    """Resolve ``future`` unless it already was: when a lane fails, every outstanding
+    request is failed, possibly on another thread while one of them completes."""
+    if future.done():
+        return
+    try:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+    except RuntimeError:
+        if not future.done():
+            raise
 
 
 def _auto_decomposition(lane: "_Lane", topology: Topology, tensor: torch.Tensor,
@@ -822,15 +920,18 @@ class Scheduler:
         return None if lane is None else lane.last_iteration
 
     def stats(self, group=None) -> Dict[str, int]:
-        """Counters of ``group``'s lane: iterations, chunks and bytes dispatched, and the
-        peak of bytes in flight (bounded by the credit window)."""
+        """Counters of ``group``'s lane: iterations, chunks and bytes dispatched, the peak
+        of bytes in flight (bounded by the credit window), and the batches in which the
+        completion thread completed chunks (each a hand-off between threads)."""
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         if lane is None:
-            return {"iterations": 0, "chunks": 0, "bytes": 0, "peak_in_flight_bytes": 0}
+            return {"iterations": 0, "chunks": 0, "bytes": 0, "peak_in_flight_bytes": 0,
+                    "completion_batches": 0}
         with lane.lock:
             return {"iterations": lane.iteration_count, "chunks": lane.chunks_dispatched,
                     "bytes": lane.bytes_dispatched,
-                    "peak_in_flight_bytes": lane.peak_in_flight_bytes}
+                    "peak_in_flight_bytes": lane.peak_in_flight_bytes,
+                    "completion_batches": lane.completion_batches}
 
     def tuning_log(self, group=None) -> List[dict]:
         """The autotuner's decisions on ``group``'s lane, oldest first (identical on every

@@ -240,7 +240,8 @@ def test_microbench_json_has_every_variant_with_a_number_or_a_reason(microbench_
     submit = document["submit_overhead"]
     assert submit["chunk_bytes"] == 1024 and submit["target_added_us"] == 20.0
     assert {(r["variant"], r["group"]) for r in submit["rows"]} == {
-        (v, g) for v in ("direct", "commsched_off", "commsched_default")
+        (v, g) for v in ("direct", "commsched_off", "commsched_default",
+                         "commsched_partitioned")
         for g in ("own", "pair")}
     for row in submit["rows"]:
         assert row["status"] in ("ok", "n/a"), f"{row['name']}: {row['reason']}"

@@ -8,6 +8,9 @@
       commsched (off)   ``Scheduler.submit`` with partitioning off, unbounded credit, fifo,
                         then ``end_iteration()`` and ``wait()`` each
       commsched (default Config) the same with ``Config()`` defaults (priority plan)
+      commsched (partitioned) the K tensors as one request of K*256 floats that the
+                        scheduler cuts into K chunks (partitioning on, credit unbounded,
+                        fifo), then ``end_iteration()`` and ``wait()``
     Each is run twice: on a gloo group of each rank's own (the collective costs almost
     nothing, so the difference is the scheduler: the number to hold against the target of
     at most 20 us added per chunk) and on the 2-rank group (realistic, but loopback latency
@@ -59,6 +62,13 @@ def default_config(commsched):
     return commsched.Config(enabled=True)
 
 
+def partitioned(commsched, numel: int):
+    """Scheduling off as above, but every tensor of an iteration in one request that the
+    scheduler partitions into chunks of ``numel`` floats."""
+    return commsched.Config(enabled=True, partition_bytes=numel * 4, credit_bytes=0,
+                            policy="fifo")
+
+
 @dataclass(frozen=True)
 class Settings:
     chunks: int
@@ -96,6 +106,14 @@ def scheduler_round(scheduler, tensors: List[torch.Tensor], group, iterations: i
             request.wait()
 
 
+def partitioned_round(scheduler, flat: torch.Tensor, group, iterations: int) -> None:
+    """The same chunks as one request per iteration, partitioned by the scheduler."""
+    for _ in range(iterations):
+        request = scheduler.submit(flat, key=0, group=group)
+        scheduler.end_iteration(group)
+        request.wait()
+
+
 def measure_round(fn: Callable[[], None]) -> Dict[str, float]:
     """Wall and process-CPU seconds (all threads: gloo's and the scheduler's included) of
     one round, started together on both ranks."""
@@ -109,6 +127,8 @@ SUBMIT_VARIANTS = [
     ("direct", "direct all_reduce(async_op=True) + wait", None),
     ("commsched_off", "commsched: partition off, credit unbounded, fifo", scheduling_off),
     ("commsched_default", "commsched: default Config (priority plan)", default_config),
+    ("commsched_partitioned", "commsched: one request partitioned into the chunks, fifo",
+     partitioned),
 ]
 
 # Where the collectives run. On "own" each rank all-reduces within a process group of its
@@ -125,6 +145,7 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
     own_groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     groups = {"own": own_groups[rank], "pair": None}
     tensors = [torch.zeros(settings.numel) for _ in range(settings.chunks_per_iter)]
+    flat = torch.zeros(settings.numel * settings.chunks_per_iter)
     iterations = max(1, settings.chunks // settings.chunks_per_iter)
     chunks = iterations * settings.chunks_per_iter
     rows: List[Dict[str, Any]] = []
@@ -145,7 +166,8 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
                 continue
             try:
                 commsched = benchlib.import_commsched()
-                config = make_config(commsched)
+                config = (make_config(commsched, settings.numel)
+                          if make_config is partitioned else make_config(commsched))
                 scheduler = commsched.Scheduler(config)
             except ModeUnavailable as exc:
                 row.update(status="n/a", reason=str(exc))
@@ -153,7 +175,10 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
                 continue
             row["config"] = dataclasses.asdict(config)
             schedulers.append(scheduler)
-            runners.append(lambda n, s=scheduler, g=group: scheduler_round(s, tensors, g, n))
+            if make_config is partitioned:
+                runners.append(lambda n, s=scheduler, g=group: partitioned_round(s, flat, g, n))
+            else:
+                runners.append(lambda n, s=scheduler, g=group: scheduler_round(s, tensors, g, n))
     try:
         # Warm-up covers the priority policy's profiled iterations and its first plan.
         for row, run in zip(rows, runners):

@@ -92,6 +92,50 @@ def _credit_returns_on_device_completion(rank, world, port):
     dist.destroy_process_group()
 
 
+class _Records:
+    def __init__(self):
+        self.chunks = []
+
+    def on_chunk(self, record):
+        self.chunks.append(record)
+
+    def on_iteration(self, record):
+        pass
+
+
+def _lazy_completion(rank, world, port):
+    """Unbounded credit on NCCL: nothing waits for a chunk's completion, so the completion
+    thread is woken once per iteration (here by drain()) and completes its chunks in one
+    batch; their recorded device times are still when they finished on the device, not
+    when the thread got to them."""
+    _init(rank, world, port)
+    records = _Records()
+    sched = commsched.Scheduler(
+        commsched.Config(partition_bytes=256 << 10, credit_bytes=0, policy="fifo"),
+        observer=records)
+    chunks = 3 * 16                   # below LAZY_ITEMS: nothing rings before drain()
+    for it in range(3):
+        ts = [torch.full((1 << 20,), float(rank + 1), device="cuda") for _ in range(3)]
+        reqs = [sched.submit(t, key=i) for i, t in enumerate(ts)]
+        torch.cuda.synchronize()
+        time.sleep(0.2)               # the chunks finished long before anybody asks
+        assert sched.stats()["completion_batches"] == it
+        t_drain = time.time_ns()
+        sched.drain(timeout=60)
+        assert sched.stats()["completion_batches"] == it + 1
+        for r in reqs:
+            assert torch.equal(r.wait().cpu(), torch.full((1 << 20,), 3.0))
+        got = records.chunks[-chunks:]
+        assert len(records.chunks) == (it + 1) * chunks
+        ends = [r.t_end_ns for r in got]
+        assert ends == sorted(ends)                       # one stream: issue order
+        assert ends[-1] < t_drain - 100_000_000, (ends[-1], t_drain)
+        for r in got:
+            assert r.t_dispatch_ns - 1_000_000 <= r.t_start_ns <= r.t_end_ns, r
+    sched.close()
+    dist.destroy_process_group()
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -177,6 +221,10 @@ def test_scheduler_equals_plain_nccl_all_reduce():
 
 def test_future_resolves_after_device_completion():
     _spawn(_credit_returns_on_device_completion)
+
+
+def test_lazy_completion_batches_and_device_times():
+    _spawn(_lazy_completion)
 
 
 def test_hook_equals_stock_ddp_nccl():

@@ -1,0 +1,112 @@
+"""The completion hand-off: chunks that finished meanwhile are completed in one batch,
+failures inside a batch still reach the request, and only a real wait can time out.
+
+The collectives are replaced by works whose completion the test controls, on a one-rank
+gloo group, so what the completion thread does is deterministic.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import commsched.scheduler
+from commsched import Config, Scheduler, SchedulerError
+from distributed import free_port
+
+
+class FakeWork:
+    """A collective that finishes when the test says so."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error = None
+
+    def wait(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.done.is_set()
+
+
+@pytest.fixture(scope="module")
+def world1():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def works(monkeypatch):
+    issued = []
+
+    def issue_step(chunk, step):
+        work = FakeWork()
+        issued.append(work)
+        return work
+
+    monkeypatch.setattr(commsched.scheduler, "issue_step", issue_step)
+    return issued
+
+
+def _submit_four_chunks(config):
+    sched = Scheduler(config)
+    req = sched.submit(torch.ones(1024), key="a")        # 4 KiB in chunks of 1 KiB
+    sched.end_iteration()
+    assert len(req.chunks) == 4
+    return sched, req
+
+
+def _settle():
+    time.sleep(0.2)       # room for the completion thread to act, if it (wrongly) would
+
+
+def test_chunks_that_finished_meanwhile_complete_in_one_hand_off(world1, works):
+    sched, req = _submit_four_chunks(Config(partition_bytes=1024, credit_bytes=0,
+                                            policy="fifo"))
+    for work in works[1:]:
+        work.done.set()
+    _settle()
+    # The thread waits for the oldest chunk: nothing completes before it did.
+    assert not req.future.done()
+    assert sched.stats()["completion_batches"] == 0
+    works[0].done.set()
+    assert torch.equal(req.wait(), torch.ones(1024))
+    assert sched.stats()["completion_batches"] == 1
+    sched.drain(timeout=10)
+    sched.close()
+
+
+def test_a_failure_inside_a_batch_fails_the_request(world1, works):
+    sched, req = _submit_four_chunks(Config(partition_bytes=1024, credit_bytes=0,
+                                            policy="fifo"))
+    works[2].error = RuntimeError("link down")
+    for work in works[1:]:
+        work.done.set()
+    works[0].done.set()
+    with pytest.raises(SchedulerError, match=r"chunk 2/4 of request 'a'.*link down"):
+        req.wait()
+    assert sched.stats()["completion_batches"] == 1
+    sched.close()
+
+
+def test_only_a_wait_times_out_and_the_error_names_its_chunk(world1, works):
+    sched, req = _submit_four_chunks(Config(partition_bytes=1024, credit_bytes=0,
+                                            policy="fifo", timeout_s=1))
+    for work in works[1:]:
+        work.done.set()
+    try:
+        with pytest.raises(SchedulerError,
+                           match=r"chunk 0/4 of request 'a'.*did not complete within"):
+            req.wait()
+    finally:
+        works[0].done.set()       # let the completion thread go
+        sched.close()
