@@ -2,7 +2,8 @@
 
 The scheduler knows nothing about stores, NVML or traces: it hands finished records to an
 ``Observer``. ``on_chunk`` is called from the scheduler's completion thread, never from the
-training thread, and must only enqueue (no I/O, no NVML).
+training thread, and must only enqueue (no I/O, no NVML). An observer may also define
+``on_chunks(records)``: the scheduler then hands over each completed batch at once.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class IterationRecord(NamedTuple):
 class Observer(Protocol):
     def on_chunk(self, record: ChunkRecord) -> None:
         """A chunk step finished on the device. Called from the completion thread."""
+
+    # Optional: ``on_chunks(records: List[ChunkRecord]) -> None``, the steps that finished
+    # together, in issue order (one enqueue for the batch instead of one per step).
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (all its requests submitted). Training thread."""

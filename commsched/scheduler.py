@@ -137,6 +137,7 @@ class _Lane:
     def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str):
         self.config = scheduler.config
         self.observer = scheduler.observer
+        self.on_chunks = getattr(self.observer, "on_chunks", None)     # optional, batched
         self.trace_dispatch = scheduler.trace_dispatch
         self.group = group
         self.name = name
@@ -697,12 +698,16 @@ class _Lane:
                 failed = self._take_failed_requests()
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
-        for chunk, step, start, end, error, t_end in records:
-            record = self._record(chunk, step, start, end, error, t_end)
-            if self.observer is not None:
-                self.observer.on_chunk(record)
+        if records:
+            built = [self._record(*r) for r in records]
+            if self.on_chunks is not None:
+                self.on_chunks(built)
+            elif self.observer is not None:
+                for record in built:
+                    self.observer.on_chunk(record)
             if self.tuner is not None:        # autotune: rank 0's profile of device times
-                self.tuner.on_chunk(record)
+                for record in built:
+                    self.tuner.on_chunk(record)
         for _, _, start, _, _, _ in records:
             if start is not None:
                 self.events.append(start)

@@ -103,7 +103,7 @@ class IterationAssembler:
         key = (rec.lane, rec.iteration)
         if key in self._closed:
             return [], []     # arrived after the iteration was given up on; comm_ops has it
-        it = self._open.setdefault(key, _LaneIteration(rec.lane, rec.iteration))
+        it = self._open.get(key) or self._begin(key)
         chunk = (rec.request_key, rec.chunk_index)
         it.num_chunks[rec.request_key] = rec.num_chunks
         seen = it.steps_seen.setdefault(chunk, set())
@@ -127,7 +127,7 @@ class IterationAssembler:
         key = (rec.lane, rec.iteration)
         if key in self._closed:
             return [], []     # a repeated record for a stored iteration
-        it = self._open.setdefault(key, _LaneIteration(rec.lane, rec.iteration))
+        it = self._open.get(key) or self._begin(key)
         it.record = rec
         rows, links = self._advance(it)
         if not rows:
@@ -181,6 +181,10 @@ class IterationAssembler:
         return len(self._open) + len(self._awaiting_links)
 
     # --- state transitions -------------------------------------------------------------------
+    def _begin(self, key: Tuple[str, int]) -> _LaneIteration:
+        it = self._open[key] = _LaneIteration(*key)
+        return it
+
     def _advance(self, it: _LaneIteration) -> Tuple[List[dict], List[LinkRow]]:
         if not it.comm_done and it.comm_complete():
             return self._finalize(it)

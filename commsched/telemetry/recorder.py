@@ -86,6 +86,11 @@ class Recorder:
         if self._enabled:
             self._writer.put(record)
 
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        """Chunk steps that finished together (completion thread): one enqueue."""
+        if self._enabled:
+            self._writer.put(records)
+
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (training thread): enqueue it."""
         if self._enabled:

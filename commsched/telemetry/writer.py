@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..observer import ChunkRecord, IterationRecord
 from .assembly import IterationAssembler, LinkRow
@@ -94,6 +94,10 @@ class StoreWriter:
         self._deadline = 0.0
         self._sample_no = 0
         self._created = set()           # optional tables created in this store
+        # Rows by table, inserted with one executemany per table at the next commit (rows
+        # not committed are lost on a kill whether or not they were inserted).
+        self._pending: Dict[str, list] = {}
+        self._ranks_json: Dict[tuple, str] = {}
 
     # --- producer side -----------------------------------------------------------------------
     def put(self, message: object) -> None:
@@ -163,6 +167,7 @@ class StoreWriter:
                       f"failed ({self.failed}); training continues without telemetry",
                       TelemetryWarning, stacklevel=1)
         self.on_failure(self.failed)
+        self._pending.clear()
         try:
             if self._in_tx:
                 self.conn.execute("ROLLBACK")
@@ -173,21 +178,36 @@ class StoreWriter:
     def _execute(self, table: str, rows: Sequence[Sequence[object]]) -> None:
         if not rows:
             return
+        self._begin()
+        pending = self._pending.get(table)
+        if pending is None:
+            self._pending[table] = list(rows)
+        else:
+            pending.extend(rows)
+        self._rows += len(rows)
+
+    def _begin(self) -> None:
         if not self._in_tx:
             self.conn.execute("BEGIN")
             self._in_tx = True
             self._deadline = time.monotonic() + self.commit_interval_s
-        self.conn.executemany(_SQL[table], rows)
-        self._rows += len(rows)
 
     def _commit(self) -> None:
         if self._in_tx:
+            for table, rows in self._pending.items():
+                self.conn.executemany(_SQL[table], rows)
+            self._pending.clear()
             self.conn.execute("COMMIT")
             self._in_tx = False
             self._rows = 0
 
     def _handle(self, msg: object) -> bool:
         """Store one message; True when it should be committed at once."""
+        if isinstance(msg, list):               # chunk records completed together
+            urgent = False
+            for record in msg:
+                urgent = self._handle(record) or urgent
+            return urgent
         if isinstance(msg, ChunkRecord):
             self._execute("comm_ops", [self._comm_op(msg)])
             return self._store(*self.assembler.add_chunk(msg))
@@ -221,6 +241,8 @@ class StoreWriter:
     def _store(self, rows: List[dict], links: List[LinkRow]) -> bool:
         """Write iteration rows; returns True (commit now) when an iteration's communication
         finished, and asks for the NVLink sample that will enclose it."""
+        if not rows and not links:
+            return False
         self._execute("iterations", [[r[c] for c in _ITER_COLS] for r in rows])
         self._execute("iteration_links", [
             (self.rank, l.lane, l.iteration, l.link, l.direction, l.bytes, l.gbps,
@@ -234,8 +256,11 @@ class StoreWriter:
     def _comm_op(self, c: ChunkRecord) -> tuple:
         n = len(c.group_ranks)
         dur = c.t_end_ns - c.t_start_ns
+        ranks = self._ranks_json.get(c.group_ranks)
+        if ranks is None:
+            ranks = self._ranks_json[c.group_ranks] = json_dumps(list(c.group_ranks))
         return (self.rank, c.lane, c.iteration, c.request_key, c.op, c.step, c.decompose,
-                c.chunk_index, c.num_chunks, c.nbytes, c.dtype, json_dumps(list(c.group_ranks)),
+                c.chunk_index, c.num_chunks, c.nbytes, c.dtype, ranks,
                 n, c.priority, c.t_submit_ns, c.t_dispatch_ns, c.t_start_ns, c.t_end_ns,
                 int(c.ok), c.error, dur, algbw_gbps(c.nbytes, dur) if c.ok else None,
                 busbw_gbps(c.step, c.nbytes, dur, n) if c.ok else None)
@@ -262,10 +287,7 @@ class StoreWriter:
             self._created.add(table)
 
     def _execute_sql(self, sql: str, args: tuple) -> None:
-        if not self._in_tx:
-            self.conn.execute("BEGIN")
-            self._in_tx = True
-            self._deadline = time.monotonic() + self.commit_interval_s
+        self._begin()
         self.conn.execute(sql, args)
 
     def _close_store(self) -> None:

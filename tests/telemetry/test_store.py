@@ -21,15 +21,20 @@ TABLES = {"runs", "intra_node_topo", "nvlink_metrics", "nvlink_health", "comm_op
           "iterations", "iteration_links", "app_steps"}
 
 
-def record_iterations(rec, rank, n_iters=3):
+def record_iterations(rec, rank, n_iters=3, batched=False):
     """Per iteration k (base b = T0 + k*100 ms): two 1 MiB chunks of bucket0 on ranks (0,1):
-    [b+10, b+20] and [b+15, b+30] ms; flush at b+25 ms; then a step marker."""
+    [b+10, b+20] and [b+15, b+30] ms; flush at b+25 ms; then a step marker. ``batched``:
+    the chunks of an iteration arrive in one ``on_chunks`` call."""
     for k in range(n_iters):
         b = T0 + k * 100 * MS
-        for idx, (s, e) in enumerate([(10, 20), (15, 30)]):
-            rec.on_chunk(chunk(iteration=k, key="bucket0", index=idx, num_chunks=2, nbytes=MIB,
-                               start=b + s * MS, end=b + e * MS, submit=b + 5 * MS,
-                               priority=rank))
+        records = [chunk(iteration=k, key="bucket0", index=idx, num_chunks=2, nbytes=MIB,
+                         start=b + s * MS, end=b + e * MS, submit=b + 5 * MS, priority=rank)
+                   for idx, (s, e) in enumerate([(10, 20), (15, 30)])]
+        if batched:
+            rec.on_chunks(records)
+        else:
+            for record in records:
+                rec.on_chunk(record)
         rec.on_iteration(iteration(iteration=k, first_submit=b + 5 * MS, flush=b + 25 * MS,
                                    requests=1, chunks=2, nbytes=2 * MIB))
         rec.step()
@@ -67,6 +72,20 @@ def test_two_ranks_round_trip_through_one_run_directory(tmp_path):
             assert i["exposed_comm_ns"] == 5 * MS     # last end 30 - flush 25
             assert i["nbytes"] == 2 * MIB
         assert [s["step"] for s in run.rows("app_steps", r)] == [0, 1, 2]
+
+
+def test_batched_chunk_records_store_what_single_ones_do(tmp_path):
+    cfg = Config(telemetry_dir=str(tmp_path))
+    recs = [open_recorder(cfg, rank=r, world_size=2, nvml_period_ms=0) for r in (0, 1)]
+    record_iterations(recs[0], 0)
+    record_iterations(recs[1], 0, batched=True)
+    for rec in recs:
+        rec.close()
+    run = load_run(str(tmp_path))
+    for table in ("comm_ops", "iterations"):
+        single, batched = ([{k: v for k, v in row.items() if k != "rank"}
+                            for row in run.rows(table, r)] for r in (0, 1))
+        assert single and single == batched, table
 
 
 def test_live_store_is_readable_after_flush(tmp_path):
