@@ -10,11 +10,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import commsched.scheduler
 from commsched import Config, Scheduler, SchedulerError
-from distributed import free_port
 
 
 class FakeWork:
@@ -32,16 +30,6 @@ class FakeWork:
 
     def is_completed(self):
         return self.done.is_set()
-
-
-@pytest.fixture(scope="module")
-def world1():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture

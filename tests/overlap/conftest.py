@@ -9,9 +9,7 @@ import time
 
 import pytest
 
-import torch.distributed as dist
-
-from distributed import free_port, run_workers
+from distributed import run_workers
 
 from .scenarios import CASES_2, CASES_4, run_scenarios
 
@@ -64,13 +62,3 @@ def four_ranks(tmp_path_factory):
     """Results of every CASES_4 scenario on 4 gloo ranks."""
     return _run(4, CASES_4, tmp_path_factory, timeout=360)
 
-
-@pytest.fixture(scope="module")
-def world1():
-    """A one-rank gloo group for the module's in-process tests."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
