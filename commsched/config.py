@@ -163,9 +163,10 @@ class Config:
 
     telemetry_nvml_per_link: bool = field(default=True, metadata=_env(
         "COMMSCHED_TELEMETRY_NVML_PER_LINK",
-        "1: sample NVLink DATA counters per link (~14 ms a sample on 18 links); 0: only "
-        "sums over links (~1.2 ms)."))
-    """Sample per-link counters (else only the sums over links)."""
+        "1: read NVLink DATA counters per link in the samples at iteration boundaries "
+        "(~14 ms a read on 18 links; periodic samples read the sums, ~1.1 ms); 0: only "
+        "sums over links."))
+    """Read per-link counters at iteration boundaries (else only the sums over links)."""
 
     telemetry_max_bytes: int = field(default=0, metadata=_env(
         "COMMSCHED_TELEMETRY_MAX_BYTES",

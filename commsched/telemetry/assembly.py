@@ -8,7 +8,8 @@ A lane iteration goes through three states, each producing a full row::
     comm done   every chunk of every request completed: communication window, exposed
                 comm and bus bandwidth known (the writer then asks for an NVLink sample)
     links done  a sample at or after the last completion exists: NVLink bytes over the
-                communication window, per link and direction
+                communication window, per link and direction (per link: between the
+                samples that read every link, when the sampler takes such samples)
 
 Chunk records may arrive before their IterationRecord (chunks complete during backward)
 or after it (the tail of the iteration's communication).
@@ -84,6 +85,8 @@ class IterationAssembler:
         self._closed: Set[Tuple[str, int]] = set()
         self._times: List[int] = []
         self._samples: List[CounterSample] = []
+        self._link_times: List[int] = []              # the samples that read every link
+        self._link_samples: List[CounterSample] = []
         self._speed_gbps: Dict[int, float] = {}
         self._nvml_active: Optional[bool] = None   # None: not known yet
 
@@ -141,16 +144,9 @@ class IterationAssembler:
         return rows, links
 
     def add_sample(self, sample: CounterSample) -> Tuple[List[dict], List[LinkRow]]:
-        if self._times and sample.t_ns < self._times[-1]:
-            i = bisect.bisect(self._times, sample.t_ns)     # clocks are not monotonic
-            self._times.insert(i, sample.t_ns)
-            self._samples.insert(i, sample)
-        else:
-            self._times.append(sample.t_ns)
-            self._samples.append(sample)
-        cut = bisect.bisect_left(self._times, self._times[-1] - _SAMPLE_HORIZON_NS)
-        if cut > 1:
-            del self._times[:cut - 1], self._samples[:cut - 1]
+        _insert(self._times, self._samples, sample)
+        if len(sample.links) > 1:                  # per link, not only the sums
+            _insert(self._link_times, self._link_samples, sample)
         rows: List[dict] = []
         links: List[LinkRow] = []
         for it in list(self._awaiting_links):
@@ -169,7 +165,7 @@ class IterationAssembler:
             rows += r2
             links += l2
         for it in list(self._awaiting_links):
-            r2, l2 = self._try_links(it)
+            r2, l2 = self._try_links(it, final=True)
             rows += r2
             links += l2
         self._awaiting_links.clear()
@@ -204,19 +200,40 @@ class IterationAssembler:
             return rows + r2, links
         return rows, []
 
-    def _try_links(self, it: _LaneIteration) -> Tuple[List[dict], List[LinkRow]]:
-        """NVLink bytes between the samples that enclose the communication window."""
+    def _try_links(self, it: _LaneIteration, final: bool = False
+                   ) -> Tuple[List[dict], List[LinkRow]]:
+        """NVLink bytes between the samples that enclose the communication window: the
+        sums between the closest samples, each link between the closest that read every
+        link (waited for when such samples are taken, unless ``final``)."""
         ij = bracket(self._times, it.t_first_start, it.t_last_end)
         if ij is None:
             return [], []                       # the enclosing sample is not there yet
-        i, j = ij
+        pairs = [(self._samples[ij[0]], self._samples[ij[1]], True)]
+        if self._link_times:
+            kl = bracket(self._link_times, it.t_first_start, it.t_last_end)
+            if kl is None and not final:
+                return [], []                   # the per-link sample is not there yet
+            if kl is not None:
+                pairs.append((self._link_samples[kl[0]], self._link_samples[kl[1]], False))
         self._awaiting_links.remove(it)
-        before, after = self._samples[i], self._samples[j]
         comm_ns = union_ns(it.intervals)
+        out: List[LinkRow] = []
+        for before, after, sums in pairs:
+            out += self._link_rows(it, before, after, sums, comm_ns)
+        for r in out:
+            if r.link == ALL_LINKS:
+                it.row[f"nvlink_{r.direction}_bytes"] = r.bytes
+                it.row[f"nvlink_{r.direction}_gbps"] = r.gbps
+        it.row["nvlink_speed_gbps"] = self._speed_gbps.get(ALL_LINKS)
+        return [self._row(it)], out
+
+    def _link_rows(self, it: _LaneIteration, before: CounterSample, after: CounterSample,
+                   sums: bool, comm_ns: int) -> List[LinkRow]:
+        """Rows of the sums (``sums``) or of every link, from two samples."""
         out: List[LinkRow] = []
         for link, values in after.links.items():
             old = before.links.get(link)
-            if old is None:
+            if old is None or (link == ALL_LINKS) != sums:
                 continue
             for slot, direction in ((0, "tx"), (1, "rx")):
                 if values[slot] is None or old[slot] is None or values[slot] < old[slot]:
@@ -227,12 +244,7 @@ class IterationAssembler:
                 util = gbps / speed if gbps is not None and speed else None
                 out.append(LinkRow(it.lane, it.iteration, link, direction, nbytes, gbps,
                                    speed, util))
-        for r in out:
-            if r.link == ALL_LINKS:
-                it.row[f"nvlink_{r.direction}_bytes"] = r.bytes
-                it.row[f"nvlink_{r.direction}_gbps"] = r.gbps
-        it.row["nvlink_speed_gbps"] = self._speed_gbps.get(ALL_LINKS)
-        return [self._row(it)], out
+        return out
 
     def _row(self, it: _LaneIteration) -> dict:
         """The full ``iterations`` row as currently known (written with INSERT OR REPLACE)."""
@@ -265,6 +277,20 @@ class IterationAssembler:
                   "nvlink_speed_gbps"):
             row.setdefault(k, None)
         return dict(row)
+
+
+def _insert(times: List[int], samples: List[CounterSample], sample: CounterSample) -> None:
+    """Add ``sample`` in time order; drop samples older than the horizon (but one)."""
+    if times and sample.t_ns < times[-1]:
+        i = bisect.bisect(times, sample.t_ns)       # clocks are not monotonic
+        times.insert(i, sample.t_ns)
+        samples.insert(i, sample)
+    else:
+        times.append(sample.t_ns)
+        samples.append(sample)
+    cut = bisect.bisect_left(times, times[-1] - _SAMPLE_HORIZON_NS)
+    if cut > 1:
+        del times[:cut - 1], samples[:cut - 1]
 
 
 def _min(current: Optional[int], value: int) -> int:

@@ -278,9 +278,12 @@ def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, de
     else:
         sampler = NvlinkSampler(nvml_backend or PynvmlBackend(), selector, writer.put,
                                 period_s=nvml_period_ms / 1000.0, per_link=nvml_per_link)
-        writer.request_sample = sampler.request
     recorder = Recorder(rank, writer=writer, sampler=sampler, path=path,
                         nvtx=bool(getattr(config, "nvtx", False)))
+    if sampler is not None:
+        # The end of an iteration's communication: the sums bound it closely; every link
+        # is read at the application's boundaries (step()), or here when it marks none.
+        writer.request_sample = lambda: sampler.request(per_link=recorder._steps == 0)
     writer.on_failure = recorder._disable
     recorder._start()
     return recorder

@@ -10,8 +10,14 @@ Timeline of one rank (the sampler never runs on the training or completion threa
                        periodic (period_ms)  └ on request, coalesced
 
 Requests are coalesced through a ``threading.Event``: however many arrive while a query is
-running, one more sample follows. Each sample costs ~1.2 ms (sums over links) or ~13.5 ms
-(per-link, 18 links), so requests must stay at iteration granularity, never per chunk.
+running, one more sample follows. A query costs ~1.1 ms (sums over links) or ~14 ms
+(per-link, 18 links, on the H200 machines), so requests must stay at iteration
+granularity, never per chunk. With per-link sampling on, only samples requested with
+``per_link`` read every link (application iteration boundaries; the end of a lane
+iteration's communication when the application marks no boundaries; the first and the last
+sample); the others read the sums, which is all a tight window around one iteration's or
+one collective's communication needs. Every sample's sums come from the all-links
+counters, so they form one series.
 """
 
 from __future__ import annotations
@@ -78,12 +84,14 @@ class NvlinkSampler:
         self.clock = clock
         self.gpu: Optional[GpuInfo] = None
         self.links: List[LinkInfo] = []
-        self._query: List[Tuple[int, int]] = []
+        self._sums_query: List[Tuple[int, int]] = []
+        self._full_query: List[Tuple[int, int]] = []
         self._health_broken = False
         self._wake = threading.Event()
         self._cond = threading.Condition()
         self._requested = 0
         self._served = 0
+        self._links_requested = False
         self._alive = False
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
@@ -94,11 +102,13 @@ class NvlinkSampler:
         self._thread = threading.Thread(target=self._run, name="commsched-nvml", daemon=True)
         self._thread.start()
 
-    def request(self) -> int:
-        """Ask for a sample as soon as possible; returns a ticket for :meth:`sync`. Cheap
-        (a lock and an Event.set): safe on the training thread."""
+    def request(self, per_link: bool = True) -> int:
+        """Ask for a sample as soon as possible, reading every link if ``per_link`` (and the
+        sampler samples per link); returns a ticket for :meth:`sync`. Cheap (a lock and an
+        Event.set): safe on the training thread."""
         with self._cond:
             self._requested += 1
+            self._links_requested = self._links_requested or per_link
             ticket = self._requested
         self._wake.set()
         return ticket
@@ -130,32 +140,30 @@ class NvlinkSampler:
         if not active:
             raise NvmlUnavailable("no_nvlink", f"{self.gpu.name} ({self.gpu.pci_bus_id}) has "
                                   f"{len(self.links)} NVLinks, none active")
+        self._sums_query = [(FIELD[c], SCOPE_ALL_LINKS) for c in COUNTERS]
+        self._full_query = self._sums_query
         if self.per_link:
-            # Per-link DATA locates traffic on links; RAW only as sums, to keep the query short.
-            self._query = [(FIELD[c], l) for l in active for c in ("data_tx", "data_rx")]
-            self._query += [(FIELD["raw_tx"], SCOPE_ALL_LINKS), (FIELD["raw_rx"], SCOPE_ALL_LINKS)]
-        else:
-            self._query = [(FIELD[c], SCOPE_ALL_LINKS) for c in COUNTERS]
+            # Per-link DATA locates traffic on links; RAW only as sums, to keep the query
+            # short. The sums of every sample come from the all-links counters.
+            self._full_query = [(FIELD[c], l) for l in active for c in ("data_tx", "data_rx")]
+            self._full_query += self._sums_query
         return NvmlStatus("ok", f"{len(active)} active links, "
                           f"{'per-link' if self.per_link else 'sum over links'} counters",
                           driver, self.gpu, list(self.links))
 
-    def sample_once(self) -> CounterSample:
-        """One counter query. The sample's time is the midpoint of the call, which is what the
-        counters are closest to when the query itself takes milliseconds."""
+    def sample_once(self, per_link: bool = True) -> CounterSample:
+        """One counter query: every link's DATA counters too when ``per_link`` and the
+        sampler samples per link, else the sums. The sample's time is the midpoint of the
+        call, which is what the counters are closest to when the query takes milliseconds."""
+        query = self._full_query if per_link else self._sums_query
         t0 = self.clock()
-        values = self.backend.read_fields(self.gpu.index, self._query)
+        values = self.backend.read_fields(self.gpu.index, query)
         t1 = self.clock()
         links: Dict[int, List[Optional[int]]] = {}
-        for (field_id, scope), value in zip(self._query, values):
+        for (field_id, scope), value in zip(query, values):
             link = ALL_LINKS if scope == SCOPE_ALL_LINKS else scope
             slot = COUNTERS.index(_COUNTER_BY_FIELD[field_id])
             links.setdefault(link, [None] * len(COUNTERS))[slot] = value
-        if self.per_link:
-            total = links.setdefault(ALL_LINKS, [None] * len(COUNTERS))
-            for slot in (0, 1):     # DATA sums over links, from the same instant
-                per_link = [v[slot] for l, v in links.items() if l != ALL_LINKS]
-                total[slot] = sum(per_link) if per_link and None not in per_link else None
         return CounterSample((t0 + t1) // 2, t1 - t0,
                              {l: tuple(v) for l, v in sorted(links.items())})
 
@@ -213,7 +221,8 @@ class NvlinkSampler:
             self._wake.clear()
             with self._cond:
                 ticket = self._requested
-            self.sink(self.sample_once())
+                per_link, self._links_requested = self._links_requested, False
+            self.sink(self.sample_once(per_link=per_link or stopping))
             with self._cond:
                 self._served = ticket
                 self._cond.notify_all()

@@ -87,6 +87,46 @@ def test_nvlink_bytes_come_from_the_samples_enclosing_the_comm_window():
     assert a.pending == 0
 
 
+def sums_sample(t_ms, total):
+    return CounterSample(int(t_ms * MS), 1000, {-1: (*total, None, None)})
+
+
+def test_sums_from_the_closest_samples_links_from_the_closest_per_link_ones():
+    """Periodic samples carry only the sums: the totals use the tightest bracket, each
+    link the per-link samples around the window, and the row waits for the latter."""
+    a = IterationAssembler(rank=0)
+    a.set_nvml(True, links(2, 25000))
+    a.add_sample(sample(2, {0: (0, 0), 1: (0, 0)}, (0, 0)))
+    a.add_sample(sums_sample(8, (100, 50)))                   # encloses the start (10 ms)
+    for s in rs_ag_steps():
+        a.add_chunk(s)
+    a.add_iteration(iteration(first_submit=5 * MS, flush=15 * MS, chunks=2, nbytes=2 * MIB))
+    rows, link_rows = a.add_sample(sums_sample(22, (3100, 1050)))   # encloses the end
+    assert (rows, link_rows) == ([], []) and a.pending == 1   # waits for every link's
+    rows, link_rows = a.add_sample(sample(30, {0: (2500, 800), 1: (1000, 400)}, (3500, 1200)))
+    (row,) = rows
+    assert row["nvlink_tx_bytes"] == (3100 - 100) * 1024     # samples at 8 and 22 ms
+    assert row["nvlink_rx_bytes"] == (1050 - 50) * 1024
+    by_key = {(r.link, r.direction): r.bytes for r in link_rows}
+    assert by_key == {(-1, "tx"): 3000 * 1024, (-1, "rx"): 1000 * 1024,
+                      (0, "tx"): 2500 * 1024, (0, "rx"): 800 * 1024,      # 2 and 30 ms
+                      (1, "tx"): 1000 * 1024, (1, "rx"): 400 * 1024}
+    assert a.pending == 0
+
+
+def test_at_the_end_the_sums_are_stored_without_a_per_link_sample():
+    a = IterationAssembler(rank=0)
+    a.set_nvml(True, links(2, 25000))
+    a.add_sample(sample(2, {0: (0, 0), 1: (0, 0)}, (0, 0)))
+    for s in rs_ag_steps():
+        a.add_chunk(s)
+    a.add_iteration(iteration(first_submit=5 * MS, flush=15 * MS, chunks=2, nbytes=2 * MIB))
+    assert a.add_sample(sums_sample(22, (3000, 1000))) == ([], [])
+    rows, link_rows = a.finish()
+    assert rows[-1]["nvlink_tx_bytes"] == 3000 * 1024
+    assert {r.link for r in link_rows} == {-1}
+
+
 def test_an_iteration_missing_chunks_is_stored_incomplete_two_flushes_later():
     a = IterationAssembler(rank=0)
     a.set_nvml(False, [])

@@ -2,6 +2,7 @@
 counters."""
 
 import queue
+import time
 import threading
 
 import pytest
@@ -75,9 +76,13 @@ def test_per_link_query_scopes_every_field_to_its_link():
     assert status.status == "ok"
     s.sample_once()
     fields = backend.fields_read[-1]
-    # DATA TX/RX for each active link (0, 1, 2) as (field, link) pairs; RAW as link sums.
+    # DATA TX/RX for each active link (0, 1, 2) as (field, link) pairs, then the four
+    # counters over all links (the sums every sample has).
     assert fields == [(138, 0), (139, 0), (138, 1), (139, 1), (138, 2), (139, 2),
+                      (138, SCOPE_ALL_LINKS), (139, SCOPE_ALL_LINKS),
                       (140, SCOPE_ALL_LINKS), (141, SCOPE_ALL_LINKS)]
+    s.sample_once(per_link=False)
+    assert backend.fields_read[-1] == [(f, SCOPE_ALL_LINKS) for f in (138, 139, 140, 141)]
 
 
 def test_sum_only_query_uses_the_all_links_scope():
@@ -137,7 +142,33 @@ def test_thread_samples_on_request_and_once_more_at_stop():
     assert [st.status for st in statuses] == ["ok"]
     # first sample at start, one for the request, one final sample at stop (period is 60 s)
     assert len(samples) == 3
+    assert all(set(m.links) == {0, 1, 2, ALL_LINKS} for m in samples)     # every link
     assert any(isinstance(m, HealthSample) for m in msgs)
+
+
+def test_a_request_without_per_link_reads_the_sums():
+    s, q = run_sampler(two_gpu_backend())
+    s.request(per_link=False)
+    time.sleep(0.3)
+    assert s.sync(timeout=10)           # per link
+    s.stop()
+    samples = [m for m in drain(q) if isinstance(m, CounterSample)]
+    assert [set(m.links) for m in samples] == [
+        {0, 1, 2, ALL_LINKS}, {ALL_LINKS}, {0, 1, 2, ALL_LINKS}, {0, 1, 2, ALL_LINKS}]
+
+
+def test_periodic_samples_read_only_the_sums():
+    s, q = run_sampler(two_gpu_backend(), period_s=0.05)
+    time.sleep(0.4)
+    s.stop()
+    samples = [m for m in drain(q) if isinstance(m, CounterSample)]
+    # the first (start) and last (stop) samples bound the run: every link; in between,
+    # nothing was requested: the sums only, still one series with the others'
+    assert set(samples[0].links) == set(samples[-1].links) == {0, 1, 2, ALL_LINKS}
+    periodic = samples[1:-1]
+    assert len(periodic) >= 3 and all(set(m.links) == {ALL_LINKS} for m in periodic)
+    tx = [m.links[ALL_LINKS][0] for m in samples]
+    assert tx == sorted(tx) and len(set(tx)) == len(tx)
 
 
 @pytest.mark.parametrize("backend, status", [
