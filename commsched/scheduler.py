@@ -48,9 +48,11 @@ timing events mapped onto the host clock, not from when the thread got to them.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
+import weakref
 from typing import Dict, Hashable, List, Optional
 
 import torch
@@ -804,6 +806,22 @@ def _group_timeout(group, device: torch.device) -> float:
         return default_pg_timeout.total_seconds()
 
 
+# Schedulers whose threads must be stopped before the interpreter finalizes (see below).
+_live: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop every open scheduler's completion threads at exit. A daemon thread that is
+    inside a torch call with the GIL released when finalization begins (resolving the
+    future the main thread just returned from, say) is ended as it takes the GIL back, and
+    ending it inside C++ aborts the process ("terminate called without an active
+    exception"). Closing completes what was issued, then joins the threads."""
+    for scheduler in list(_live):
+        if not scheduler._closed:
+            scheduler.close()
+
+
 class Scheduler:
     """Partitions requests into chunks and dispatches them under a credit window, in an
     order identical on every rank (see the module docstring).
@@ -821,6 +839,7 @@ class Scheduler:
         self._lanes: Dict[object, _Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
+        _live.add(self)
 
     def submit(self, tensor: torch.Tensor, *, key: Hashable, priority: int = 0,
                op: str = "all_reduce", group=None, average: bool = False,
@@ -953,7 +972,9 @@ class Scheduler:
         return [] if lane is None else list(lane.dispatch_log)
 
     def close(self) -> None:
-        """Stop the completion threads. Outstanding work is abandoned; drain() first."""
+        """Stop the completion threads once what was issued completed (each waits up to
+        10 s); requests not yet dispatched are abandoned: drain() first. Called at exit
+        for schedulers still open."""
         self._closed = True
         for lane in self._lanes.values():
             lane.close()

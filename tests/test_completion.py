@@ -98,3 +98,16 @@ def test_only_a_wait_times_out_and_the_error_names_its_chunk(world1, works):
     finally:
         works[0].done.set()       # let the completion thread go
         sched.close()
+
+
+def test_schedulers_left_open_are_closed_at_exit(world1):
+    """At exit every open scheduler's completion threads are joined, so none is inside a
+    torch call when the interpreter finalizes (which aborts the process)."""
+    sched = Scheduler(Config(partition_bytes=1024, credit_bytes=0, policy="fifo"))
+    req = sched.submit(torch.ones(1024), key="a")
+    sched.end_iteration()
+    req.wait()
+    threads = [lane.thread for lane in sched._lanes.values()]
+    assert threads and all(t.is_alive() for t in threads)
+    commsched.scheduler._close_at_exit()
+    assert sched._closed and not any(t.is_alive() for t in threads)
