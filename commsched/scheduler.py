@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import threading
 import time
 import weakref
@@ -136,8 +137,9 @@ class _Lane:
     """Everything the scheduler does for one process group. ``lock`` guards all mutable
     state; dispatch happens under it, so the dispatch sequence is totally ordered."""
 
-    def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str):
-        self.config = scheduler.config
+    def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str,
+                 config: Config):
+        self.config = config
         self.observer = scheduler.observer
         self.on_chunks = getattr(self.observer, "on_chunks", None)     # optional, batched
         self.trace_dispatch = scheduler.trace_dispatch
@@ -839,6 +841,7 @@ class Scheduler:
         self._lanes: Dict[object, _Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._fifo: Dict[object, Config] = {}      # groups set to submission order
         _live.add(self)
 
     def submit(self, tensor: torch.Tensor, *, key: Hashable, priority: int = 0,
@@ -869,7 +872,7 @@ class Scheduler:
             raise ValueError(f"tensor on {tensor.device}, but earlier requests of lane "
                              f"{lane.name} were on {lane.device}")
         # autotune: the settings of the iteration this request joins (autotune.py)
-        settings = lane.tuner.submit_settings() if lane.tuner is not None else self.config
+        settings = lane.tuner.submit_settings() if lane.tuner is not None else lane.config
         partition_bytes = settings.partition_bytes
         decompose = decompose if decompose is not None else settings.decompose
         if decompose not in DECOMPOSITIONS:
@@ -919,6 +922,19 @@ class Scheduler:
                     lane.topology = Topology(
                         lane.group, local_size_from_env(self.config.local_size, lane.world_size))
         return lane.topology
+
+    def set_fifo(self, group) -> None:
+        """Dispatch ``group``'s requests in submission order: no priority plan, no tuning,
+        no sequence verification, hence no blocking exchange on that group at the head of
+        an iteration. For requests already submitted in priority order whose first
+        submission of an iteration comes at a point that differs between ranks (the
+        data-parallel mode's all-gathers): an exchange there, blocking the caller, could
+        deadlock against the caller's collectives on another group. Call it on every rank
+        before the group's first request."""
+        if group in self._lanes:
+            raise SchedulerError("set_fifo(): the group already has requests")
+        self._fifo[group] = dataclasses.replace(self.config, policy="fifo", autotune=False,
+                                                verify=False)
 
     def end_iteration(self, group=None, wait_dispatched: bool = False
                       ) -> Optional[IterationRecord]:
@@ -987,7 +1003,7 @@ class Scheduler:
                 if lane is None:
                     # Before the first collective on this group: everything that decides the
                     # collective sequence must be the same on every rank.
-                    config = self.config
+                    config = self._fifo.get(group, self.config)
                     check_agreement({
                         "partition_bytes": config.partition_bytes,
                         "credit_bytes": config.credit_bytes, "policy": config.policy,
@@ -998,6 +1014,6 @@ class Scheduler:
                         "autotune": (config.autotune, config.autotune_iters),
                         "device type": device.type, "first request": first,
                     }, group, what="scheduler configuration")
-                    lane = _Lane(self, group, device, f"g{len(self._lanes)}")
+                    lane = _Lane(self, group, device, f"g{len(self._lanes)}", config)
                     self._lanes[group] = lane
         return lane
