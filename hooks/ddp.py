@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from commsched.config import Config
 from commsched.scheduler import Scheduler
-from commsched.telemetry import open_rank_recorder
+from commsched.telemetry import close_with_scheduler, open_rank_recorder
 
 __all__ = ["CommschedState", "commsched_hook", "register"]
 
@@ -52,12 +52,7 @@ class CommschedState:
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
-        try:
-            self.scheduler.drain(timeout)
-        finally:
-            self.scheduler.close()
-            if self.recorder is not None:
-                self.recorder.close()
+        close_with_scheduler(self.scheduler, self.recorder, timeout)
 
     def priority(self, bucket: dist.GradBucket) -> int:
         """Forward position of the bucket's earliest parameter (lower goes first)."""

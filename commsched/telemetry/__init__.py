@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from .errors import TelemetryError, TelemetryWarning
 from .nvtx_ranges import nvtx_range_pop, nvtx_range_push
-from .recorder import Recorder, open_rank_recorder, open_recorder, step
+from .recorder import Recorder, close_with_scheduler, open_rank_recorder, open_recorder, step
 from .store import RunData, load_run
 
 __all__ = [
-    "Recorder", "open_recorder", "open_rank_recorder", "step", "load_run", "RunData", "TelemetryError",
-    "TelemetryWarning", "nvtx_range_push", "nvtx_range_pop", "report_main", "trace_main",
+    "Recorder", "open_recorder", "open_rank_recorder", "close_with_scheduler", "step",
+    "load_run", "RunData", "TelemetryError", "TelemetryWarning", "nvtx_range_push",
+    "nvtx_range_pop", "report_main", "trace_main",
 ]
 
 

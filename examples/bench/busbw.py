@@ -201,14 +201,9 @@ class CommschedAllReduce:
         return self.scheduler.stats()["iterations"]
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
-        """Wait for outstanding chunks, stop the scheduler (its completion threads hand the
-        last chunk records to the recorder on the way out), then close the recorder."""
-        try:
-            self.scheduler.drain(timeout)
-        finally:
-            self.scheduler.close()
-            if self.recorder is not None:
-                self.recorder.close()
+        """Wait for outstanding chunks, stop the scheduler, then close the recorder."""
+        from commsched.telemetry import close_with_scheduler
+        close_with_scheduler(self.scheduler, self.recorder, timeout)
 
 
 def variant_config(spec: "LaunchSpec", name: str):

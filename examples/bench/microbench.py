@@ -62,13 +62,6 @@ def default_config(commsched):
     return commsched.Config(enabled=True)
 
 
-def partitioned(commsched, numel: int):
-    """Scheduling off as above, but every tensor of an iteration in one request that the
-    scheduler partitions into chunks of ``numel`` floats."""
-    return commsched.Config(enabled=True, partition_bytes=numel * 4, credit_bytes=0,
-                            policy="fifo")
-
-
 @dataclass(frozen=True)
 class Settings:
     chunks: int
@@ -123,12 +116,15 @@ def measure_round(fn: Callable[[], None]) -> Dict[str, float]:
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
 
 
+# (name, label, config, one request per iteration that the scheduler partitions into the
+# chunks instead of a request per chunk)
 SUBMIT_VARIANTS = [
-    ("direct", "direct all_reduce(async_op=True) + wait", None),
-    ("commsched_off", "commsched: partition off, credit unbounded, fifo", scheduling_off),
-    ("commsched_default", "commsched: default Config (priority plan)", default_config),
+    ("direct", "direct all_reduce(async_op=True) + wait", None, False),
+    ("commsched_off", "commsched: partition off, credit unbounded, fifo", scheduling_off,
+     False),
+    ("commsched_default", "commsched: default Config (priority plan)", default_config, False),
     ("commsched_partitioned", "commsched: one request partitioned into the chunks, fifo",
-     partitioned),
+     scheduling_off, True),
 ]
 
 # Where the collectives run. On "own" each rank all-reduces within a process group of its
@@ -153,7 +149,7 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
     schedulers = []
     for kind, kind_label in GROUP_KINDS:
         group = groups[kind]
-        for name, label, make_config in SUBMIT_VARIANTS:
+        for name, label, make_config, whole in SUBMIT_VARIANTS:
             row = {"name": f"{name}/{kind}", "variant": name, "group": kind,
                    "label": label, "group_label": kind_label, "status": "ok",
                    "reason": None, "config": None,
@@ -166,8 +162,9 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
                 continue
             try:
                 commsched = benchlib.import_commsched()
-                config = (make_config(commsched, settings.numel)
-                          if make_config is partitioned else make_config(commsched))
+                config = make_config(commsched)
+                if whole:
+                    config = dataclasses.replace(config, partition_bytes=settings.numel * 4)
                 scheduler = commsched.Scheduler(config)
             except ModeUnavailable as exc:
                 row.update(status="n/a", reason=str(exc))
@@ -175,7 +172,7 @@ def submit_overhead(settings: Settings) -> Dict[str, Any]:
                 continue
             row["config"] = dataclasses.asdict(config)
             schedulers.append(scheduler)
-            if make_config is partitioned:
+            if whole:
                 runners.append(lambda n, s=scheduler, g=group: partitioned_round(s, flat, g, n))
             else:
                 runners.append(lambda n, s=scheduler, g=group: scheduler_round(s, tensors, g, n))
