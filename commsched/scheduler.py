@@ -44,6 +44,18 @@ credit window, nothing is urgent (futures carry CUDA stream semantics and resolv
 dispatch): an iteration's chunks are then completed in one batch, by one wait on the
 newest (the watch stream completes them in issue order); their device times come from
 timing events mapped onto the host clock, not from when the thread got to them.
+
+Dispatch thread (``Config.dispatch``). Dispatching a request costs ~170 us of host time on
+NCCL (bookkeeping, stream switches, events, the collective call), paid inline by whoever
+submits: during backward, the autograd thread, whose kernel launches are the critical path
+of a host-bound model. A lane with a dispatch thread takes that off the caller: ``submit``
+validates, scales, records the ready event and the future, and queues the request;
+``end_iteration`` queues the iteration's end and returns once the dispatch thread took it
+in, so every iteration reaches the lane in the caller's order relative to the caller's own
+calls, as inline. Within an iteration the collectives are issued later than inline, from
+another thread: safe only where the caller issues no collective of its own on the group
+meanwhile, which is why ``auto`` gives the thread only to adapters that say so
+(``owns_groups``).
 """
 
 from __future__ import annotations
@@ -133,12 +145,23 @@ class _Iteration:
 _DONE = object()
 
 
+class _End:
+    """An end_iteration() call queued for the dispatch thread."""
+
+    __slots__ = ("t_end_ns", "record", "taken")
+
+    def __init__(self, t_end_ns: int):
+        self.t_end_ns = t_end_ns
+        self.record: Optional[IterationRecord] = None
+        self.taken = threading.Event()
+
+
 class _Lane:
     """Everything the scheduler does for one process group. ``lock`` guards all mutable
     state; dispatch happens under it, so the dispatch sequence is totally ordered."""
 
     def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str,
-                 config: Config):
+                 config: Config, threaded: bool = False):
         self.config = config
         self.observer = scheduler.observer
         self.on_chunks = getattr(self.observer, "on_chunks", None)     # optional, batched
@@ -214,6 +237,19 @@ class _Lane:
         self.thread = threading.Thread(target=self._completion_loop,
                                        name=f"commsched-{name}", daemon=True)
         self.thread.start()
+        # --- dispatch thread (Config.dispatch): submitted requests and iteration ends wait
+        # in the inbox, in call order, for the dispatch thread; the caller keeps the keys
+        # of its open iteration to reject a duplicate at once.
+        self.inbox: Optional["collections.deque"] = None
+        if threaded:
+            self.inbox = collections.deque()
+            self.inbox_lock = threading.Lock()
+            self.inbox_ready = threading.Condition(self.inbox_lock)
+            self.inbox_closed = False
+            self.caller_keys: set = set()
+            self.dispatcher = threading.Thread(target=self._dispatch_loop,
+                                               name=f"commsched-{name}-dispatch", daemon=True)
+            self.dispatcher.start()
         self.watchdog = threading.Thread(target=self._watchdog,
                                          name=f"commsched-{name}-watchdog", daemon=True)
         self.watchdog.start()
@@ -226,23 +262,30 @@ class _Lane:
 
     # ---- submission (training thread) ----------------------------------------------------
     def add(self, req: Request) -> None:
+        if self.inbox is not None:
+            self._post(req)
+            return
         with self.lock:
             if self.failure is not None:
                 raise self.failure
-            it = self.current
-            if it is None:
-                it = self._begin_iteration()
-            if req.key in it.by_key:
-                raise SchedulerError(
-                    f"request key {req.key!r} submitted twice in iteration {it.index} of "
-                    f"lane {self.name}; call end_iteration() between iterations")
-            req.iteration = it.index
-            it.requests.append(req)
-            it.by_key[req.key] = req
-            self.outstanding[id(req)] = req
+            self._take_in(req)
             self._pump()
             settled = self._collect()
         self._settle(settled)
+
+    def _take_in(self, req: Request) -> None:
+        """Add ``req`` to the open iteration (lock held)."""
+        it = self.current
+        if it is None:
+            it = self._begin_iteration(req.t_submit_ns)
+        if req.key in it.by_key:
+            raise SchedulerError(
+                f"request key {req.key!r} submitted twice in iteration {it.index} of "
+                f"lane {self.name}; call end_iteration() between iterations")
+        req.iteration = it.index
+        it.requests.append(req)
+        it.by_key[req.key] = req
+        self.outstanding[id(req)] = req
 
     def _collect(self):
         """After a pump, lock held: requests to resolve, and to fail if the lane failed."""
@@ -257,41 +300,137 @@ class _Lane:
             self._fail_futures(failed)
             raise self.failure
 
-    def _begin_iteration(self) -> _Iteration:
+    def _begin_iteration(self, t_first_ns: int) -> _Iteration:
         it = _Iteration(self.iteration_count, self.next_profile, self.planned_layout is not None)
         self.next_profile = None
-        it.t_first_ns = time.time_ns()
+        it.t_first_ns = t_first_ns
         self.iteration_count += 1
         self.iterations.append(it)
         self.current = it
         return it
 
     def end_iteration(self, wait_dispatched: bool) -> Optional[IterationRecord]:
+        if self.inbox is not None:
+            return self._post_end(wait_dispatched)
         with self.lock:
-            it = self.current
-            if it is None:
+            record = self._close_iteration(time.time_ns())
+            if record is None:
                 return None
-            self.current = None
-            it.flushed = True
-            self._note_layout(it)
-            record = IterationRecord(
-                self.name, it.index, it.t_first_ns, time.time_ns(), len(it.requests),
-                sum(len(r.chunks) for r in it.requests),
-                sum(r.tensor.numel() * r.tensor.element_size() for r in it.requests),
-                it.planned)
-            self.last_iteration = record
             self._pump()
-            while wait_dispatched and it.index >= self.dispatched_iterations:
+            while wait_dispatched and record.iteration >= self.dispatched_iterations:
                 if self.failure is not None:
                     break
                 self.idle.wait()
             settled = self._collect()
         self._settle(settled)
+        self._report(record)
+        return record
+
+    def _close_iteration(self, t_end_ns: int) -> Optional[IterationRecord]:
+        """No more requests in the open iteration (lock held); its record."""
+        it = self.current
+        if it is None:
+            return None
+        self.current = None
+        it.flushed = True
+        self._note_layout(it)
+        record = IterationRecord(
+            self.name, it.index, it.t_first_ns, t_end_ns, len(it.requests),
+            sum(len(r.chunks) for r in it.requests),
+            sum(r.tensor.numel() * r.tensor.element_size() for r in it.requests),
+            it.planned)
+        self.last_iteration = record
+        return record
+
+    def _report(self, record: IterationRecord) -> None:
+        """An ended iteration to the observer (lock released)."""
         if self.observer is not None:
             self.observer.on_iteration(record)
         if self.tuner is not None:            # autotune: decisions to the observer, unlocked
             self.tuner.report(self.observer)
+
+    # ---- dispatch thread (Config.dispatch) -----------------------------------------------
+    def _post(self, req: Request) -> None:
+        """Queue ``req`` for the dispatch thread (caller's thread: a few microseconds)."""
+        if self.failure is not None:
+            raise self.failure
+        if req.key in self.caller_keys:
+            raise SchedulerError(
+                f"request key {req.key!r} submitted twice in one iteration of lane "
+                f"{self.name}; call end_iteration() between iterations")
+        self.caller_keys.add(req.key)
+        with self.inbox_ready:
+            self.inbox.append(req)
+            self.inbox_ready.notify()
+
+    def _post_end(self, wait_dispatched: bool) -> Optional[IterationRecord]:
+        """Queue the end of the open iteration and wait until the dispatch thread took it
+        in: requests and their iteration then reach the lane in the same order, relative
+        to the caller's own calls, as inline (a plan exchange of the next iteration cannot
+        come after a collective the caller issues once its iteration ended)."""
+        if not self.caller_keys:
+            return None
+        self.caller_keys = set()
+        end = _End(time.time_ns())
+        with self.inbox_ready:
+            self.inbox.append(end)
+            self.inbox_ready.notify()
+        end.taken.wait()
+        record = end.record
+        with self.lock:
+            while (wait_dispatched and record is not None and self.failure is None
+                   and record.iteration >= self.dispatched_iterations):
+                self.idle.wait()
+            if self.failure is not None:
+                raise self.failure
         return record
+
+    def _dispatch_loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self.inbox_ready:
+                while not self.inbox:
+                    if self.inbox_closed:
+                        return
+                    self.inbox_ready.wait()
+            self._take_inbox()
+
+    def _take_inbox(self) -> None:
+        """Take in everything queued, in order, and dispatch as far as possible. A failure
+        fails the lane: its requests' futures and the caller's next call raise it."""
+        ends = []
+        failed = []
+        with self.lock:
+            with self.inbox_lock:
+                items = list(self.inbox)
+                self.inbox.clear()
+            try:
+                for item in items:
+                    if self.failure is not None:
+                        if type(item) is not _End:
+                            failed.append(item)
+                    elif type(item) is _End:
+                        item.record = self._close_iteration(item.t_end_ns)
+                        ends.append(item)
+                    else:
+                        self._take_in(item)
+                if self.failure is None:
+                    self._pump()
+            except BaseException as error:  # noqa: BLE001 (surfaces in the caller's thread)
+                self._fail(error)
+            if self.failure is not None:
+                failed += self._take_failed_requests()
+            dispatched = self._take_dispatched()
+        self._resolve(dispatched)
+        if failed:
+            self._fail_futures(failed)
+        for end in ends:
+            if end.record is not None:
+                self._report(end.record)
+        for item in items:
+            if type(item) is _End:
+                item.taken.set()
 
     def _note_layout(self, it: _Iteration) -> None:
         """Decide, from the submitted layout only (rank-invariant), whether the next
@@ -753,6 +892,12 @@ class _Lane:
             self.tuner.report(self.observer)
 
     def close(self) -> None:
+        if self.inbox is not None:
+            # What was queued is taken in and dispatched first, as inline it would have been.
+            with self.inbox_ready:
+                self.inbox_closed = True
+                self.inbox_ready.notify()
+            self.dispatcher.join(timeout=1 if self.failure is not None else 10)
         self.stopping.set()
         # The completion thread completes what was issued, then ends. (A thread stuck in a
         # failed collective may hold the lock: do not wait for it.)
@@ -834,10 +979,17 @@ class Scheduler:
     """
 
     def __init__(self, config: Optional[Config] = None, observer=None,
-                 trace_dispatch: bool = False):
+                 trace_dispatch: bool = False, *, owns_groups: bool = False):
+        """``owns_groups``: the caller issues no collective of its own on a lane's group
+        between a request's submission and the end of its iteration (the DDP hook and the
+        data-parallel mode: they submit from backward). With ``Config.dispatch`` "auto",
+        only such a scheduler's CUDA lanes get a dispatch thread: one running beside a
+        caller that does issue collectives on the group could put them in a different
+        order on different ranks."""
         self.config = config if config is not None else Config()
         self.observer = observer
         self.trace_dispatch = trace_dispatch
+        self.owns_groups = owns_groups
         self._lanes: Dict[object, _Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -995,6 +1147,12 @@ class Scheduler:
         for lane in self._lanes.values():
             lane.close()
 
+    def _threaded(self, config: Config, device: torch.device) -> bool:
+        """Whether a lane gets a dispatch thread (Config.dispatch)."""
+        if config.dispatch == "auto":
+            return device.type == "cuda" and self.owns_groups and not config.autotune
+        return config.dispatch == "thread"
+
     def _lane(self, group, device: torch.device, first: tuple) -> _Lane:
         lane = self._lanes.get(group)
         if lane is None:
@@ -1014,6 +1172,7 @@ class Scheduler:
                         "autotune": (config.autotune, config.autotune_iters),
                         "device type": device.type, "first request": first,
                     }, group, what="scheduler configuration")
-                    lane = _Lane(self, group, device, f"g{len(self._lanes)}", config)
+                    lane = _Lane(self, group, device, f"g{len(self._lanes)}", config,
+                                 self._threaded(config, device))
                     self._lanes[group] = lane
         return lane

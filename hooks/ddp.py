@@ -41,7 +41,8 @@ class CommschedState:
         if observer is None and scheduler is None and config.telemetry_dir:
             observer = self.recorder = open_rank_recorder(
                 config, next(ddp_model.parameters()).device)
-        self.scheduler = scheduler if scheduler is not None else Scheduler(config, observer)
+        self.scheduler = (scheduler if scheduler is not None
+                          else Scheduler(config, observer, owns_groups=True))
         self.group = group if group is not None else getattr(ddp_model, "process_group", None)
         module = getattr(ddp_model, "module", ddp_model)
         # parameters() is registration order, which for the models DDP sees is forward

@@ -73,6 +73,14 @@ def test_all_reduce_equals_plain_sum_2_ranks():
                 (torch.float32, torch.float64, torch.bfloat16, torch.float16), 3, timeout=240)
 
 
+def test_all_reduce_equals_plain_sum_2_ranks_dispatch_thread():
+    """The same with a dispatch thread per lane (Config.dispatch, the default on CUDA)."""
+    configs = [dict(kw, dispatch="thread") for kw in (CONFIGS[0], CONFIGS[3], CONFIGS[5],
+                                                       CONFIGS[-1])]
+    run_workers(_all_reduce_matches_reference, 2, configs, (torch.float32, torch.bfloat16),
+                3, timeout=240)
+
+
 def test_all_reduce_equals_plain_sum_4_ranks():
     configs = [CONFIGS[1], CONFIGS[3], CONFIGS[6], CONFIGS[-1]]
     run_workers(_all_reduce_matches_reference, 4, configs, (torch.float32,), 2, timeout=240)
@@ -171,6 +179,8 @@ def _adversarial_timing(rank, world, iterations, kw):
          verify=True),
     dict(policy="priority", decompose="rs_ag", partition_bytes=2048, credit_bytes=4096,
          profile_iters=2),
+    dict(policy="priority", partition_bytes=1024, credit_bytes=0, profile_iters=1,
+         verify=True, dispatch="thread"),
 ])
 def test_adversarial_timing_no_hang_same_results(kw):
     run_workers(_adversarial_timing, 2, 200, kw, timeout=240)

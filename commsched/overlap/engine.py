@@ -83,7 +83,7 @@ class OverlapEngine:
             if observer is None and config.telemetry_dir:
                 observer = self.recorder = open_rank_recorder(
                     config, next(module.parameters()).device)
-            scheduler = Scheduler(config, observer)
+            scheduler = Scheduler(config, observer, owns_groups=True)
         self.scheduler = scheduler
         self.groups, module_groups = build_groups(module, group_bytes)
         if not self.groups:

@@ -28,6 +28,11 @@ CONFIGS = [
     commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10, profile_iters=1),
     commsched.Config(partition_bytes=100_000, credit_bytes=0, decompose="rs_ag", policy="fifo"),
     commsched.Config(partition_bytes=0, credit_bytes=0),
+    # A dispatch thread issues the collectives (Config.dispatch; direct use is inline).
+    commsched.Config(partition_bytes=64 << 10, credit_bytes=0, profile_iters=1,
+                     dispatch="thread"),
+    commsched.Config(partition_bytes=100_000, credit_bytes=256 << 10, decompose="rs_ag",
+                     dispatch="thread"),
     # Each GPU a node: intra-node steps on one-rank groups, the sum between "nodes".
     commsched.Config(partition_bytes=1 << 20, credit_bytes=4 << 20, decompose="hier",
                      local_size=1),
@@ -194,6 +199,7 @@ def _wrap_vs_stock_ddp(rank, world, port):
     _init(rank, world, port)
     ref = _train(None, dict(bucket_cap_mb=1), rank)
     cases = [(commsched.Config(), None),                        # defaults: 25 MiB groups
+             (commsched.Config(dispatch="inline"), None),       # (auto: a dispatch thread)
              (commsched.Config(), 0),                           # a group per layer
              (commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10), 0),
              (commsched.Config(decompose="rs_ag"), 0)]          # ZeRO-1 shards

@@ -43,6 +43,7 @@ class Spec(NamedTuple):
     decompose: str = "none"
     reads_grads: bool = False
     subgroups: bool = False         # ranks {0,1} and {2,3} train separately (group=...)
+    dispatch: str = "auto"          # Config.dispatch (auto: inline on CPU)
 
 
 OPTIMIZERS = {
@@ -224,7 +225,7 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         for p in inner.parameters():
             p.register_hook(lambda g: time.sleep(random.random() * 0.002))
     config = commsched.Config(decompose=spec.decompose, partition_bytes=256,
-                              credit_bytes=1024)
+                              credit_bytes=1024, dispatch=spec.dispatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, wopt = wrap(inner, opt, config, group, group_bytes=0,
@@ -373,12 +374,17 @@ CASES_2 = {
     "rs_ag_grad_scaler": Spec(opt="rmsprop", scaler=True, decompose="rs_ag"),
     "rs_ag_tied_adagrad_timing_eval": Spec(model="tied", opt="adagrad", sleeps=True, eval=True,
                                            state_dict_at_end=True, decompose="rs_ag"),
+    "dispatch_thread_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True,
+                                   dispatch="thread"),
+    "rs_ag_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
+                                                    decompose="rs_ag", dispatch="thread"),
 }
 
 CASES_4 = {
     "unused_accumulation_adamw_step_lr": Spec(model="branchy", opt="adamw_foreach", accum=2,
                                               sched="step"),
-    "adversarial_timing_rmsprop": Spec(model="branchy", opt="rmsprop", sleeps=True),
+    "adversarial_timing_rmsprop_dispatch_thread": Spec(model="branchy", opt="rmsprop",
+                                                       sleeps=True, dispatch="thread"),
     "rs_ag_adamw_timing": Spec(model="branchy", opt="adamw_single", sleeps=True,
                                decompose="rs_ag"),
     "subgroups_rs_ag_adamw": Spec(model="bn", opt="adamw_foreach", subgroups=True,

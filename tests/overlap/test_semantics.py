@@ -2,6 +2,8 @@
 buffers, evaluation, state dicts, gradient clipping, GradScaler — each checked against
 stock DDP on 2 ranks, bitwise (see test_trajectories.py for why 2 ranks are bitwise)."""
 
+import pytest
+
 
 def _equal_to_ddp(r, keys=("loss", "seen", "final")):
     for key in keys:
@@ -19,9 +21,11 @@ def test_unused_parameters_match_ddp_find_unused_parameters(two_ranks):
     _equal_to_ddp(two_ranks["unused"], ("loss", "seen", "final", "opt_state"))
 
 
-def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks):
-    # random per-rank sleeps in forward pre-hooks, gradient hooks and before step()
-    r = two_ranks["adversarial_timing"]
+@pytest.mark.parametrize("name", ["adversarial_timing", "dispatch_thread_timing"])
+def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks, name):
+    # random per-rank sleeps in forward pre-hooks, gradient hooks and before step(); the
+    # second with a dispatch thread issuing the collectives (Config.dispatch)
+    r = two_ranks[name]
     _equal_to_ddp(r)
     assert r["in_flight"] > 0
 
