@@ -105,13 +105,23 @@ class Workload:
     optimizer: str  # "adamw" | "sgd"
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise SystemExit(f"{name}={raw!r}: expected a positive integer")
+    return int(raw)
+
+
 def gpt_workload(quick: bool) -> Workload:
     """GPT-like decoder, 24x1024, 16 heads, seq 512, micro-batch 4, vocab 50257 (~405M)."""
     if quick:
         config, micro_batch = models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
                                                vocab=4096), 2
     else:
-        config, micro_batch = models.GPTConfig(), 4
+        # BENCH_GPT_MICRO_BATCH=k: a GPU-bound variant (the default 4 is host-bound on H200).
+        config, micro_batch = models.GPTConfig(), _env_int("BENCH_GPT_MICRO_BATCH", 4)
 
     def make_batch(device, generator):
         size = (micro_batch, config.seq)
@@ -462,11 +472,15 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
+    Mode("ddp_commsched_inline", "5g as 5, collectives issued by the autograd thread "
+         "(COMMSCHED_DISPATCH=inline)", lambda bench: run_ddp_commsched(bench, dispatch="inline")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
          lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
+    Mode("commsched_dp_inline", "6d as 6, collectives issued by the autograd thread "
+         "(COMMSCHED_DISPATCH=inline)", lambda bench: run_commsched_dp(bench, dispatch="inline")),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
