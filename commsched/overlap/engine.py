@@ -103,6 +103,12 @@ class OverlapEngine:
         # Initial state from rank 0, like DDP.
         _broadcast([p.detach() for p in module.parameters()]
                    + [b for b in module.buffers()], group, self.src)
+        # Gradients are reduced on a process group of their own. With a bounded credit
+        # window the lane issues an iteration's last chunks from its completion thread
+        # after backward returned, at times that differ between ranks: a collective the
+        # application issues on ``group`` meanwhile (a loss average, a barrier) would pair
+        # with different chunks on different ranks.
+        self.reduce_group = sibling_group(group)
         self.buffer_group = None
         self.buffers = [b for b in module.buffers()]
         if broadcast_buffers and self.buffers:
@@ -291,11 +297,12 @@ class OverlapEngine:
             used = self.used[g.first:g.first + len(g.params)]
             g.flags.copy_(torch.tensor(used, dtype=g.dtype))
         g.request = self.scheduler.submit(g.buffer, key=g.index, priority=g.index,
-                                          group=self.group, average=True, decompose="none")
+                                          group=self.reduce_group, average=True,
+                                          decompose="none")
         g.submitted_iter = self._bw_iter
 
     def _end_iteration(self) -> None:
-        self.scheduler.end_iteration(self.group)
+        self.scheduler.end_iteration(self.reduce_group)
         self._iter += 1
 
     # ---- forward (training thread) --------------------------------------------------------
@@ -568,7 +575,8 @@ class OverlapEngine:
             dist.destroy_process_group(pg)
 
     def _own_groups(self) -> list:
-        return [self.buffer_group] if self.buffer_group is not None else []
+        return [self.reduce_group] + ([self.buffer_group] if self.buffer_group is not None
+                                      else [])
 
 
 def sibling_group(group):

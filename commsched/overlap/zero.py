@@ -125,7 +125,8 @@ class ZeroEngine(OverlapEngine):
             self._settle(g)
         self._prepare_submit(g)
         g.request = self.scheduler.submit(g.buffer, key=("rs", g.index), priority=g.index,
-                                          op="reduce_scatter", group=self.group, average=True)
+                                          op="reduce_scatter", group=self.reduce_group,
+                                          average=True)
         g.submitted_iter = self._bw_iter
         g.consistent = False
         g.grads_full = False
@@ -134,7 +135,7 @@ class ZeroEngine(OverlapEngine):
         self.used_buf.copy_(torch.tensor(self.used, dtype=torch.float32))
         self._used_cache = None
         self.used_request = self.scheduler.submit(self.used_buf, key="used", priority=-1,
-                                                  group=self.group)
+                                                  group=self.reduce_group)
         super()._end_iteration()
 
     def _after_comm(self, g: LayerGroup) -> None:

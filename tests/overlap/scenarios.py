@@ -44,6 +44,7 @@ class Spec(NamedTuple):
     reads_grads: bool = False
     subgroups: bool = False         # ranks {0,1} and {2,3} train separately (group=...)
     dispatch: str = "auto"          # Config.dispatch (auto: inline on CPU)
+    user_collective: bool = False   # the loop all-reduces the loss on the group every step
 
 
 OPTIMIZERS = {
@@ -146,7 +147,7 @@ class Trace:
         self.state_bytes = 0
 
 
-def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None):
+def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, group=None):
     sched = SCHEDULERS[spec.sched](opt, spec.steps) if spec.sched else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if spec.scaler else None
     for step in range(spec.steps):
@@ -182,6 +183,11 @@ def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None):
         if sched is not None:
             sched.step()
         opt.zero_grad()
+        if spec.user_collective:
+            # The application's own collective on the training group (a loss average for
+            # logging), while the last chunks of the step may still wait for credit.
+            total = torch.tensor([trace.losses[-1]])
+            dist.all_reduce(total, group=group)
         if on_step is not None:
             on_step(step)
         if spec.eval:
@@ -201,7 +207,7 @@ def run_ddp(spec: Spec, rank: int, group=None) -> Trace:
     def snap(step):
         trace.params_after.append([p.detach().clone() for p in inner.parameters()])
 
-    train(model, inner, opt, spec, rank, trace, snap)
+    train(model, inner, opt, spec, rank, trace, snap, group)
     trace.final = [p.detach().clone() for p in inner.parameters()]
     trace.state_dict = {k: v.clone() for k, v in inner.state_dict().items()}
     trace.opt_state = _opt_state(opt.state_dict())
@@ -238,7 +244,7 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         model.register_forward_pre_hook(
             lambda m, a: trace.in_flight.append(engine.in_flight()) if torch.is_grad_enabled()
             else None)
-        train(model, inner, wopt, spec, rank, trace)
+        train(model, inner, wopt, spec, rank, trace, group=group)
         if spec.state_dict_at_end:
             trace.state_dict = {k[len("module."):]: v.clone()
                                 for k, v in model.state_dict().items()}
@@ -376,6 +382,11 @@ CASES_2 = {
                                            state_dict_at_end=True, decompose="rs_ag"),
     "dispatch_thread_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True,
                                    dispatch="thread"),
+    "user_collective_timing": Spec(model="branchy", opt="sgd", sleeps=True,
+                                   user_collective=True),
+    "rs_ag_user_collective_dispatch_thread": Spec(opt="adamw_foreach", sleeps=True,
+                                                  user_collective=True, decompose="rs_ag",
+                                                  dispatch="thread"),
     "rs_ag_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
                                                     decompose="rs_ag", dispatch="thread"),
 }

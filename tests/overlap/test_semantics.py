@@ -30,6 +30,14 @@ def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks, name):
     assert r["in_flight"] > 0
 
 
+@pytest.mark.parametrize("name", ["user_collective_timing",
+                                  "rs_ag_user_collective_dispatch_thread"])
+def test_the_applications_own_collectives_on_the_group_keep_ranks_in_step(two_ranks, name):
+    # an all-reduce of the loss on the training group after every step, while the step's
+    # last chunks may still wait for credit (scenarios run a bounded window)
+    _equal_to_ddp(two_ranks[name])
+
+
 def test_eval_under_no_grad_sees_updated_parameters(two_ranks):
     # a no_grad eval forward right after step()/zero_grad() applies the pending updates
     _equal_to_ddp(two_ranks["eval_and_state_dict"], ("eval",))
