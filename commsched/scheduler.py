@@ -422,15 +422,20 @@ class _Lane:
             if self.failure is not None:
                 failed += self._take_failed_requests()
             dispatched = self._take_dispatched()
-        self._resolve(dispatched)
-        if failed:
-            self._fail_futures(failed)
-        for end in ends:
-            if end.record is not None:
-                self._report(end.record)
-        for item in items:
-            if type(item) is _End:
-                item.taken.set()
+        try:
+            self._resolve(dispatched)
+            if failed:
+                self._fail_futures(failed)
+            for end in ends:
+                if end.record is not None:
+                    self._report(end.record)
+        except BaseException as error:  # noqa: BLE001 (an observer's, say: fail the lane)
+            with self.lock:
+                self._fail(error)
+        finally:
+            for item in items:
+                if type(item) is _End:
+                    item.taken.set()
 
     def _note_layout(self, it: _Iteration) -> None:
         """Decide, from the submitted layout only (rank-invariant), whether the next
@@ -1075,18 +1080,20 @@ class Scheduler:
                         lane.group, local_size_from_env(self.config.local_size, lane.world_size))
         return lane.topology
 
-    def set_fifo(self, group) -> None:
-        """Dispatch ``group``'s requests in submission order: no priority plan, no tuning,
-        no sequence verification, hence no blocking exchange on that group at the head of
-        an iteration. For requests already submitted in priority order whose first
-        submission of an iteration comes at a point that differs between ranks (the
+    def set_fifo(self, group, device) -> None:
+        """Dispatch ``group``'s requests, on ``device``, in submission order: no priority
+        plan, no tuning, no sequence verification, hence no blocking exchange on that group
+        at the head of an iteration. For requests already submitted in priority order whose
+        first submission of an iteration comes at a point that differs between ranks (the
         data-parallel mode's all-gathers): an exchange there, blocking the caller, could
-        deadlock against the caller's collectives on another group. Call it on every rank
-        before the group's first request."""
+        deadlock against the caller's collectives on another group. For the same reason the
+        group's lane is created here, with its configuration check (a collective on the
+        group), rather than at the first request: call it on every rank at the same point."""
         if group in self._lanes:
             raise SchedulerError("set_fifo(): the group already has requests")
         self._fifo[group] = dataclasses.replace(self.config, policy="fifo", autotune=False,
                                                 verify=False)
+        self._lane(group, torch.device(device), ("set_fifo",))
 
     def end_iteration(self, group=None, wait_dispatched: bool = False
                       ) -> Optional[IterationRecord]:

@@ -119,3 +119,23 @@ def test_thread_is_rejected_with_autotune():
     with pytest.raises(ConfigError, match="COMMSCHED_DISPATCH='threads'"):
         Config.from_env({"COMMSCHED_DISPATCH": "threads"})
     assert Config.from_env({"COMMSCHED_DISPATCH": " Inline "}).dispatch == "inline"
+
+
+def test_an_observer_error_on_the_dispatch_thread_fails_the_lane(world1):
+    """The observer's on_iteration runs on the dispatch thread: its error reaches the caller
+    instead of leaving end_iteration() waiting forever."""
+
+    class Broken:
+        def on_chunk(self, record):
+            pass
+
+        def on_iteration(self, record):
+            raise ValueError("observer broke")
+
+    sched = Scheduler(_config("thread"), observer=Broken())
+    sched.submit(torch.ones(10), key="a")
+    with pytest.raises(ValueError, match="observer broke"):
+        sched.end_iteration()
+    with pytest.raises(ValueError, match="observer broke"):
+        sched.submit(torch.ones(10), key="b")
+    sched.close()

@@ -56,15 +56,16 @@ class ZeroEngine(OverlapEngine):
         # requests not submitted yet; a forward waiting for an all-gather must never wait
         # behind a reduce-scatter of the backward that follows it.
         self.gather_group = sibling_group(group)
-        # All-gathers are submitted in forward (= priority) order, from step() or from a
-        # forward pre-hook depending on when the reduce-scatters finished, which differs
-        # between ranks: their lane must not block on a plan exchange there.
-        self.scheduler.set_fifo(self.gather_group)
         if self.local or not all(g.fully_owned for g in self.groups):
             raise ValueError("commsched overlap rs_ag: the optimizer must hold exactly the "
                              "model's trainable parameters")
         if self.mode != PER_GROUP:
             raise TypeError("commsched overlap rs_ag needs a per-parameter optimizer")
+        # All-gathers are submitted in forward (= priority) order, from step() or from a
+        # forward pre-hook depending on when the reduce-scatters finished, which differs
+        # between ranks: their lane must not block on a collective there (a plan exchange,
+        # or the configuration check of its creation, done here instead).
+        self.scheduler.set_fifo(self.gather_group, self.groups[0].device)
 
     # ---- layout ---------------------------------------------------------------------------
     def _allocate(self) -> None:
