@@ -359,8 +359,13 @@ class _Lane:
                 f"request key {req.key!r} submitted twice in one iteration of lane "
                 f"{self.name}; call end_iteration() between iterations")
         self.caller_keys.add(req.key)
+        self._enqueue(req)
+
+    def _enqueue(self, item) -> None:
         with self.inbox_ready:
-            self.inbox.append(req)
+            if self.inbox_closed:
+                raise SchedulerError(f"lane {self.name} is closed")
+            self.inbox.append(item)
             self.inbox_ready.notify()
 
     def _post_end(self, wait_dispatched: bool) -> Optional[IterationRecord]:
@@ -372,9 +377,7 @@ class _Lane:
             return None
         self.caller_keys = set()
         end = _End(time.time_ns())
-        with self.inbox_ready:
-            self.inbox.append(end)
-            self.inbox_ready.notify()
+        self._enqueue(end)
         end.taken.wait()
         record = end.record
         with self.lock:
@@ -419,9 +422,8 @@ class _Lane:
                     self._pump()
             except BaseException as error:  # noqa: BLE001 (surfaces in the caller's thread)
                 self._fail(error)
-            if self.failure is not None:
-                failed += self._take_failed_requests()
-            dispatched = self._take_dispatched()
+            taken_failed, dispatched = self._collect()
+            failed += taken_failed or []
         try:
             self._resolve(dispatched)
             if failed:

@@ -111,6 +111,16 @@ def test_close_dispatches_what_was_queued(world1):
     for req in reqs:
         assert req.future.done() and torch.equal(req.wait(), torch.full((50,), 2.0))
     assert not sched._lanes[torch.distributed.group.WORLD].dispatcher.is_alive()
+    with pytest.raises(SchedulerError, match="closed"):
+        sched.submit(torch.ones(10), key="after")
+
+
+def test_end_iteration_after_close_raises_instead_of_waiting(world1):
+    sched = Scheduler(_config("thread"))
+    sched.submit(torch.ones(10), key="a")      # closed with its iteration still open
+    sched.close()
+    with pytest.raises(SchedulerError, match="lane g0 is closed"):
+        sched.end_iteration()                 # no dispatch thread left to take it in
 
 
 def test_thread_is_rejected_with_autotune():
