@@ -191,6 +191,7 @@ class Bench:
         self.iters = iters
         self.telemetry_root = telemetry_root
         self.regime = regime
+        self.mode_name = ""
         self.cache: Dict[str, Any] = {}
 
     def telemetry_dir(self, mode_name: str) -> str:
@@ -280,7 +281,31 @@ class Bench:
             print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
                   f"{self.cpu_ms[1]:.1f}; median {sorted(times)[len(times) // 2]:.1f} ms",
                   flush=True)
+        profile_dir = os.environ.get("BENCH_PROFILE")
+        if profile_dir:
+            self.profile(step, window, Path(profile_dir))
         return times
+
+    def profile(self, step: Callable[[], None], window: int, directory: Path) -> None:
+        """BENCH_PROFILE=DIR: one more window of ``step`` under torch.profiler (CPU and
+        CUDA activity), after the timed ones, written as a Chrome trace to
+        ``DIR/<regime>_<mode>_rank<r>.json.gz`` (``_r2``... for further rounds);
+        ``trace_overlap.py`` summarises it. Not part of the timed samples."""
+        from torch.profiler import ProfilerActivity, profile
+
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = f"{self.regime}_{self.mode_name}_rank{self.rank}"
+        path, n = directory / f"{stem}.json.gz", 1
+        while path.exists():
+            n += 1
+            path = directory / f"{stem}_r{n}.json.gz"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.sync()
+        with profile(activities=activities) as prof:
+            for _ in range(window):
+                step()
+            self.sync()
+        prof.export_chrome_trace(str(path))
 
 
 # ---------------------------------------------------------------------------------------
@@ -591,6 +616,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(bench.device)
     failed = 0
     bench.cpu_ms = None
+    bench.mode_name = mode.name
     try:
         measured = mode.run(bench)
         result = empty_result(mode, "ok", None)

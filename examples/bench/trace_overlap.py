@@ -1,0 +1,192 @@
+"""Where a profiled window's GPU time goes: compute, communication, their overlap, idle.
+
+    python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8]
+
+Reads Chrome traces written by torch.profiler (the harness writes them with
+``BENCH_PROFILE=DIR``) and prints, per trace, per profiled iteration (``--iters``, the
+harness's ``BENCH_WINDOW``):
+
+* span: first to last GPU activity of the window;
+* compute: union of the intervals of every GPU activity that is not an NCCL kernel
+  (kernels, copies, memsets), on any stream;
+* comm: union of the NCCL kernels' intervals; hidden: the part of it under compute;
+  exposed: the part that runs while no compute does;
+* idle: span minus both;
+* kernel sum: the compute kernels' durations added up, so two traces of the same model
+  can be compared (a larger sum with the same kernels is kernels slowed down, by
+  communication running beside them, for instance);
+* slowdown: for each compute kernel name seen both with and without an NCCL kernel running
+  beside it, the mean duration of the overlapped instances against the others, weighted
+  by time: how much communication slows the compute it overlaps;
+* the longest compute gaps (no compute on the GPU), with the kernels around them and how
+  much of each gap communication filled.
+
+Standard library only: it runs where the traces were taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import sys
+from collections import defaultdict
+from typing import Dict, List, Sequence, Tuple
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+Interval = Tuple[float, float]
+
+
+def load_events(path: str) -> List[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
+            and e.get("dur", 0) > 0]
+
+
+def is_comm(event: dict) -> bool:
+    return event.get("cat") == "kernel" and event["name"].startswith("nccl")
+
+
+def union(intervals: Sequence[Interval]) -> List[Interval]:
+    merged: List[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: Sequence[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def covered(start: float, end: float, merged: Sequence[Interval],
+            starts: Sequence[float]) -> float:
+    """Length of [start, end) inside the disjoint sorted ``merged`` intervals."""
+    total = 0.0
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    while i < len(merged) and merged[i][0] < end:
+        lo, hi = max(start, merged[i][0]), min(end, merged[i][1])
+        if hi > lo:
+            total += hi - lo
+        i += 1
+    return total
+
+
+def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
+    events = [e for e in events if e.get("args", {}).get("device", device) == device]
+    if not events:
+        raise ValueError(f"no GPU activity for device {device}")
+    comm = [e for e in events if is_comm(e)]
+    compute = [e for e in events if not is_comm(e)]
+    iv = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # noqa: E731
+    comm_u, compute_u = union([iv(e) for e in comm]), union([iv(e) for e in compute])
+    all_u = union([iv(e) for e in events])
+    span = all_u[-1][1] - all_u[0][0]
+    comm_starts = [s for s, _ in comm_u]
+    hidden = sum(covered(s, e, comm_u, comm_starts) for s, e in compute_u)
+
+    # Kernel slowdown beside communication, per kernel name.
+    by_name: Dict[str, List[Tuple[float, float]]] = defaultdict(list)
+    for e in compute:
+        if e["cat"] != "kernel":
+            continue
+        s, t = iv(e)
+        by_name[e["name"]].append((t - s, covered(s, t, comm_u, comm_starts) / (t - s)))
+    extra = base = 0.0
+    for samples in by_name.values():
+        alone = [d for d, f in samples if f < 0.05]
+        beside = [d for d, f in samples if f > 0.5]
+        if alone and beside:
+            mean_alone = sum(alone) / len(alone)
+            base += mean_alone * len(beside)
+            extra += sum(beside) - mean_alone * len(beside)
+
+    # Longest gaps in compute, and what filled them.
+    compute_sorted = sorted(compute, key=lambda e: e["ts"])
+    ends, holes = [], []
+    last_end, last_name = None, None
+    for e in compute_sorted:
+        s, t = iv(e)
+        if last_end is not None and s > last_end:
+            holes.append((s - last_end, last_end, s, last_name, e["name"]))
+        if last_end is None or t > last_end:
+            last_end, last_name = t, e["name"]
+        ends.append(t)
+    holes.sort(reverse=True)
+    top = [{"gap_ms": g / 1e3, "at_ms": (a - all_u[0][0]) / 1e3,
+            "comm_ms": covered(a, b, comm_u, comm_starts) / 1e3,
+            "after": before[:60], "before": after[:60]}
+           for g, a, b, before, after in holes[:gaps]]
+    return {
+        "span_ms": span / 1e3,
+        "compute_ms": length(compute_u) / 1e3,
+        "comm_ms": length(comm_u) / 1e3,
+        "hidden_ms": hidden / 1e3,
+        "exposed_ms": (length(comm_u) - hidden) / 1e3,
+        "idle_ms": (span - length(all_u)) / 1e3,
+        "kernel_sum_ms": sum(float(e["dur"]) for e in compute if e["cat"] == "kernel") / 1e3,
+        "comm_kernels": len(comm),
+        "slowdown": (extra / base) if base else None,
+        "slowdown_ms": extra / 1e3,
+        "gaps": top,
+    }
+
+
+def report(path: str, result: Dict[str, object], iters: int) -> str:
+    per = lambda k: result[k] / iters  # noqa: E731
+    lines = [f"{path}: per iteration (window of {iters})",
+             f"  span {per('span_ms'):.2f} ms = compute {per('compute_ms'):.2f}"
+             f" + comm exposed {per('exposed_ms'):.2f} + idle {per('idle_ms'):.2f}",
+             f"  comm {per('comm_ms'):.2f} ms ({result['comm_kernels'] // iters} NCCL kernels),"
+             f" hidden under compute {per('hidden_ms'):.2f}",
+             f"  compute kernel sum {per('kernel_sum_ms'):.2f} ms; kernels beside comm run "
+             + (f"{100 * result['slowdown']:+.1f}% ({per('slowdown_ms'):+.2f} ms)"
+                if result["slowdown"] is not None else "n/a")]
+    for g in result["gaps"]:
+        lines.append(f"  gap {g['gap_ms']:.3f} ms at {g['at_ms']:.2f} (comm {g['comm_ms']:.3f}):"
+                     f" {g['after']} -> {g['before']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--iters", type=int, default=4,
+                        help="iterations in each trace's window (BENCH_WINDOW)")
+    parser.add_argument("--device", type=int, default=None,
+                        help="GPU index in the trace (default: the one with most activity)")
+    parser.add_argument("--gaps", type=int, default=6, help="longest compute gaps to list")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.error("--iters must be >= 1")
+    results = {}
+    for path in args.traces:
+        events = load_events(path)
+        if not events:
+            print(f"{path}: no GPU activity in the trace", file=sys.stderr)
+            continue
+        device = args.device
+        if device is None:
+            count: Dict[int, int] = defaultdict(int)
+            for e in events:
+                count[e.get("args", {}).get("device", 0)] += 1
+            device = max(count, key=count.get)
+        results[path] = analyse(events, device, args.gaps)
+        print(report(path, results[path], args.iters))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
