@@ -287,10 +287,12 @@ class Bench:
         return times
 
     def profile(self, step: Callable[[], None], window: int, directory: Path) -> None:
-        """BENCH_PROFILE=DIR: one more window of ``step`` under torch.profiler (CPU and
-        CUDA activity), after the timed ones, written as a Chrome trace to
-        ``DIR/<regime>_<mode>_rank<r>.json.gz`` (``_r2``... for further rounds);
-        ``trace_overlap.py`` summarises it. Not part of the timed samples."""
+        """BENCH_PROFILE=DIR: one more window of ``step`` under torch.profiler, after the
+        timed ones, written as a Chrome trace to ``DIR/<regime>_<mode>_rank<r>.json.gz``
+        (``_r2``... for further rounds); ``trace_overlap.py`` summarises it. Not part of
+        the timed samples. On GPUs it records CUDA activity only (kernels, copies, the
+        runtime calls that launched them): recording every operator on the CPU as well
+        slows the host enough to change what a host-bound window looks like."""
         from torch.profiler import ProfilerActivity, profile
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -299,7 +301,7 @@ class Bench:
         while path.exists():
             n += 1
             path = directory / f"{stem}_r{n}.json.gz"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
         self.sync()
         with profile(activities=activities) as prof:
             for _ in range(window):

@@ -15,9 +15,9 @@ harness's ``BENCH_WINDOW``):
 * kernel sum: the compute kernels' durations added up, so two traces of the same model
   can be compared (a larger sum with the same kernels is kernels slowed down, by
   communication running beside them, for instance);
-* slowdown: for each compute kernel name seen both with and without an NCCL kernel running
-  beside it, the mean duration of the overlapped instances against the others, weighted
-  by time: how much communication slows the compute it overlaps;
+* slowdown: for each compute kernel name seen at least 3 times with and 3 times without
+  an NCCL kernel running beside it, the mean duration of the overlapped instances against
+  the others, weighted by time: how much communication slows the compute it overlaps;
 * the longest compute gaps (no compute on the GPU), with the kernels around them and how
   much of each gap communication filled.
 
@@ -35,6 +35,7 @@ from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+MIN_SAMPLES = 3     # instances of a kernel name, alone and beside comm, for the slowdown
 
 Interval = Tuple[float, float]
 
@@ -104,7 +105,7 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
     for samples in by_name.values():
         alone = [d for d, f in samples if f < 0.05]
         beside = [d for d, f in samples if f > 0.5]
-        if alone and beside:
+        if len(alone) >= MIN_SAMPLES and len(beside) >= MIN_SAMPLES:
             mean_alone = sum(alone) / len(alone)
             base += mean_alone * len(beside)
             extra += sum(beside) - mean_alone * len(beside)
