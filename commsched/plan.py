@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from typing import Dict, Hashable, List, NamedTuple, Sequence, Tuple
 
-__all__ = ["RequestProfile", "Plan", "build_plan"]
+__all__ = ["RequestProfile", "Plan", "build_plan", "LinkCost"]
 
 
 class RequestProfile(NamedTuple):
@@ -34,6 +34,38 @@ class RequestProfile(NamedTuple):
 class Plan(NamedTuple):
     order: Tuple[Tuple[Hashable, int], ...]    # (request key, chunk index), dispatch order
     layout: Dict[Hashable, int]                # request key -> number of chunks planned for
+
+
+class LinkCost:
+    """The replay's cost per byte, from the collectives a lane completed: the time the link
+    was busy with them over their bytes.
+
+    A collective is timed from when it could start (its device start where timing events
+    exist, else its dispatch) or the end of the one before it on the lane, whichever is
+    later, to its end. Timing it from its dispatch instead would count the time it queued
+    behind the collectives issued before it: with k collectives in flight the link would
+    look about k times slower than it is, and a plan built on that defers early-ready
+    chunks for urgent ones that in fact arrive after the link went idle.
+    """
+
+    __slots__ = ("busy_ns", "nbytes", "last_end_ns")
+
+    def __init__(self) -> None:
+        self.busy_ns = 0
+        self.nbytes = 0
+        self.last_end_ns = 0
+
+    def add(self, t_begin_ns: int, t_end_ns: int, nbytes: int = 0) -> None:
+        """One collective step, in issue order; ``nbytes`` counted once per chunk."""
+        begin = max(t_begin_ns, self.last_end_ns)
+        if t_end_ns > begin:
+            self.busy_ns += t_end_ns - begin
+            self.last_end_ns = t_end_ns
+        self.nbytes += nbytes
+
+    @property
+    def seconds_per_byte(self) -> float:
+        return self.busy_ns * 1e-9 / self.nbytes if self.nbytes else 0.0
 
 
 def build_plan(requests: Sequence[RequestProfile], credit_bytes: int,

@@ -77,7 +77,7 @@ from .calibrate import calibrate, static_choice
 from .config import DECOMPOSITIONS, Config
 from .observer import ChunkRecord, IterationRecord
 from .partition import Chunk, partition
-from .plan import Plan, RequestProfile, build_plan
+from .plan import LinkCost, Plan, RequestProfile, build_plan
 from .safety import check_agreement, first_divergence, step_crc
 from .topology import Topology, local_size_from_env
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
@@ -191,8 +191,7 @@ class _Lane:
         self.next_profile: Optional[List[RequestProfile]] = None
         self.last_layout = None
         self.stable_iters = 0
-        self.busy_seconds = 0.0           # device time of completed chunks (cost model)
-        self.busy_bytes = 0
+        self.link_cost = LinkCost()               # the plan's cost per byte
         self.failure: Optional[BaseException] = None
         self.dispatch_log: List[tuple] = []
         self.chunks_dispatched = 0
@@ -544,7 +543,7 @@ class _Lane:
         step of the previous iterations was issued, so the exchange sits at the same place
         in the collective sequence on every rank.
         """
-        cost = self.busy_seconds / self.busy_bytes if self.busy_bytes else 0.0
+        cost = self.link_cost.seconds_per_byte
         values = torch.tensor([p.ready_s for p in profile] + [cost], dtype=torch.float64,
                               device=self.device)
         if self.cuda:
@@ -819,6 +818,11 @@ class _Lane:
             for (chunk, step, _, start, end, error), t_end in zip(batch, t_ends):
                 req = chunk.request
                 chunk.steps_done = step + 1
+                last = step == len(req.steps) - 1
+                if error is None:
+                    self.link_cost.add(
+                        t_end - int(start.elapsed_time(end) * 1e6) if start is not None
+                        else chunk.t_dispatch_ns, t_end, chunk.nbytes if last else 0)
                 if error is not None:
                     error = SchedulerError(
                         f"commsched: {req.steps[step]} of chunk {chunk.index}/"
@@ -828,13 +832,11 @@ class _Lane:
                     if self.failure is None:
                         self.failure = error
                     finished.append((req, chunk, step, error))
-                elif step == len(req.steps) - 1:
+                elif last:
                     if not self.cuda:
                         finish_chunk(chunk)
                     chunk.staging = None      # kept alive until the device finished with it
                     self.in_flight_bytes -= chunk.nbytes
-                    self.busy_seconds += (t_end - chunk.t_dispatch_ns) * 1e-9
-                    self.busy_bytes += chunk.nbytes
                     req.remaining -= 1
                     if req.remaining == 0 and not self.cuda:
                         finished.append((req, chunk, step, None))

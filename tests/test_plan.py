@@ -1,7 +1,9 @@
 """The dispatch plan: a priority replay of a profiled iteration, checked on timelines
 worked out by hand."""
 
-from commsched.plan import RequestProfile, build_plan
+import pytest
+
+from commsched.plan import LinkCost, RequestProfile, build_plan
 
 
 def test_fifo_when_everything_is_ready_in_priority_order():
@@ -45,3 +47,23 @@ def test_zero_cost_profile_still_terminates():
     reqs = [RequestProfile(i, 3 - i, 0.0, (4, 4)) for i in range(4)]
     order = build_plan(reqs, 4, 0.0).order
     assert sorted(order) == sorted((i, c) for i in range(4) for c in range(2))
+
+
+def test_link_cost_counts_busy_time_not_queueing():
+    # Four 1 MB collectives dispatched together at t=0 finish 1 ms apart: the link moved
+    # 4 MB in 4 ms. Timed from their dispatch they would add up to 1+2+3+4 = 10 ms.
+    cost = LinkCost()
+    for k in range(4):
+        cost.add(0, (k + 1) * 1_000_000, 1_000_000)
+    assert cost.seconds_per_byte == pytest.approx(1e-9)
+
+
+def test_link_cost_skips_idle_link_and_counts_steps_once_per_chunk():
+    cost = LinkCost()
+    cost.add(0, 2_000_000, 2_000_000)              # busy 0-2 ms
+    cost.add(5_000_000, 6_000_000)                 # idle 2-5 ms, then a first step 5-6 ms
+    cost.add(5_500_000, 7_000_000, 1_000_000)      # its second step, queued behind: 6-7 ms
+    assert cost.busy_ns == 4_000_000 and cost.nbytes == 3_000_000
+    # An end before the previous one (a batch seen at once) adds nothing.
+    cost.add(0, 6_500_000, 0)
+    assert cost.busy_ns == 4_000_000

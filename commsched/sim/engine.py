@@ -45,7 +45,7 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from ..collectives import steps_for
 from ..partition import partition
-from ..plan import Plan, RequestProfile, build_plan
+from ..plan import LinkCost, Plan, RequestProfile, build_plan
 from .model import SimError
 
 __all__ = ["SimRequest", "SimConfig", "IterationProfile", "StepTiming", "SimResult",
@@ -305,16 +305,13 @@ def _follow_plan(reqs, chunks, plan: Plan):
 
 def _plan_order(reqs, chunks, fifo_timeline: List[StepTiming], config: SimConfig):
     """The priority plan the scheduler builds: ``build_plan`` on the profile, with the
-    seconds per byte it accumulates over its fifo warm-up (dispatch to completion)."""
-    first: Dict[Tuple[Hashable, int], float] = {}
-    last: Dict[Tuple[Hashable, int], float] = {}
-    for s in fifo_timeline:
-        k = (s.key, s.chunk)
-        first[k] = min(first.get(k, s.dispatch_s), s.dispatch_s)
-        last[k] = max(last.get(k, s.end_s), s.end_s)
-    busy_bytes = sum(sum(sizes) for sizes in chunks)
-    busy_seconds = sum(last[k] - first[k] for k in first)
-    seconds_per_byte = busy_seconds / busy_bytes if busy_bytes else 0.0
+    seconds per byte it accumulates over its fifo warm-up (``LinkCost``: the time the link
+    was busy with the steps, in issue order)."""
+    cost = LinkCost()
+    for s in sorted(fifo_timeline, key=lambda s: s.dispatch_s):
+        cost.add(round(s.start_s * 1e9), round(s.end_s * 1e9))
+    cost.nbytes = sum(sum(sizes) for sizes in chunks)
+    seconds_per_byte = cost.seconds_per_byte
     profile = [RequestProfile(i, r.priority, r.dispatchable_s, chunks[i])
                for i, r in enumerate(reqs)]
     plan = build_plan(profile, config.credit_bytes, seconds_per_byte)

@@ -48,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..plan import Plan, RequestProfile, build_plan
+from ..plan import LinkCost, Plan, RequestProfile, build_plan
 from ..telemetry.errors import TelemetryError
 from ..telemetry.store import RunData, load_run
 from .engine import IterationProfile, SimConfig, SimRequest, chunk_bytes
@@ -234,19 +234,18 @@ def _recorded_plan(run: RecordedRun, chunks) -> Optional[Dict[str, Plan]]:
         return None
     costs = []
     for rank in run.ranks:
-        seconds = nbytes = 0
-        done: Dict[tuple, List[int]] = {}
-        for (r, i), rows in chunks.items():
-            if r != rank or i >= first:
-                continue
-            for row in rows:
-                c = done.setdefault((i, row["request_key"], row["chunk_index"]),
-                                    [row["t_dispatch_ns"], row["t_end_ns"], int(row["nbytes"])])
-                c[1] = max(c[1], row["t_end_ns"])
-        for dispatch, end, size in done.values():
-            seconds += (end - dispatch) * 1e-9
-            nbytes += size
-        costs.append(seconds / nbytes if nbytes else 0.0)
+        # The scheduler's LinkCost over the steps completed before the plan: busy time in
+        # issue order, bytes once per chunk.
+        cost = LinkCost()
+        rows = sorted((row for (r, i), rs in chunks.items() if r == rank and i < first
+                       for row in rs), key=lambda row: row["t_dispatch_ns"])
+        seen = set()
+        for row in rows:
+            chunk = (row["iteration"], row["request_key"], row["chunk_index"])
+            cost.add(row["t_start_ns"], row["t_end_ns"],
+                     0 if chunk in seen else int(row["nbytes"]))
+            seen.add(chunk)
+        costs.append(cost.seconds_per_byte)
     config = run.sim_config()
     submit = dict(source.plan_submit_s)
     profile = [RequestProfile(r.key, r.priority, submit.get(r.key, r.dispatchable_s),
