@@ -7,6 +7,7 @@ not checked: CI timings are noise (see BENCHMARKS.md); speed is judged on the GP
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -43,9 +44,11 @@ RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10
 ITERS = 2
 
 
-def run_script(script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
+def run_script(script: str, args: list, timeout: float,
+               env: dict = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -156,20 +159,22 @@ def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
 
 @pytest.fixture(scope="module")
 def harness_options_run(tmp_path_factory):
-    """World size 3, two interleaved rounds, a two-point sweep, telemetry kept."""
+    """World size 3, two interleaved rounds, a two-point sweep, telemetry kept, a profiled
+    window per mode (BENCH_PROFILE)."""
     tmp = tmp_path_factory.mktemp("bench_options")
-    out, root = tmp / "harness.json", tmp / "telemetry"
+    out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--world-size", "3",
                                      "--rounds", "2", "--modes", "compute_only",
                                      "--sweep", "64K/256K,0/0", "--telemetry-root", str(root),
-                                     "--timeout", "200", "--out", str(out)], timeout=240)
+                                     "--timeout", "200", "--out", str(out)], timeout=240,
+                      env={"BENCH_PROFILE": str(traces)})
     document = json.loads(out.read_text()) if out.exists() else None
-    return proc, document, root
+    return proc, document, root, traces
 
 
 def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
-    proc, document, root = harness_options_run
+    proc, document, root, _ = harness_options_run
     assert proc.returncode == 0, explain(proc)
     assert document["settings"]["world_size"] == 3 and document["settings"]["rounds"] == 2
     [run] = document["launches"][0]["runs"]
@@ -195,6 +200,20 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
     rows = json.loads(report.stdout)["rows"]
     assert {row["rank"] for row in rows} == {0, 1, 2}
     assert all(row["bytes"] > 0 for row in rows)
+
+
+def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_run):
+    proc, _, _, traces = harness_options_run
+    assert proc.returncode == 0, explain(proc)
+    expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
+                for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0")
+                for rank in range(3) for suffix in ("", "_r2")}
+    assert {p.name for p in traces.iterdir()} == expected
+    with gzip.open(traces / "nvlink_sweep_p64K_c256K_rank1.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    # A CPU trace of a window of training steps: the model's operators are in it.
+    names = {e.get("name") for e in events if e.get("ph") == "X"}
+    assert {"aten::linear", "aten::embedding"} <= names, sorted(names)[:40]
 
 
 def test_harness_rejects_bad_options_naming_the_flag():

@@ -1,0 +1,83 @@
+"""examples/bench/trace_overlap.py on Chrome traces built by hand, against the split of the
+GPU time worked out on paper."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "bench"))
+
+import trace_overlap  # noqa: E402
+
+
+def kernel(name, ts, dur, device=0, stream=7, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"device": device, "stream": stream}}
+
+
+def write(path: Path, events) -> str:
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+# Timeline in microseconds, device 0 (one iteration):
+#   gemm x4 alone    [0,10) [10,20) [20,30) [30,40)        10 us each
+#   gemm x4 beside   [40,55) [55,70) [70,85) [85,100)      15 us each: +50% beside comm
+#   copy             [100,110)
+#   idle             [110,150)
+#   gemm             [150,160)
+#   nccl             [45,130)  on another stream
+# compute union = [0,110) + [150,160) = 120; comm = 85, under compute [45,110) = 65,
+# exposed = [110,130) = 20; span 160 -> idle 160 - 120 - 20 = 20.
+EVENTS = ([kernel("gemm", 10 * k, 10) for k in range(4)]
+          + [kernel("gemm", 40 + 15 * k, 15) for k in range(4)]
+          + [kernel("Memcpy DtoD", 100, 10, cat="gpu_memcpy"),
+             kernel("gemm", 150, 10),
+             kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 45, 85, stream=20),
+             # Another device's activity and CPU-side events are left out.
+             kernel("gemm", 0, 1000, device=1),
+             {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500}])
+
+
+def test_split_of_the_window_matches_the_timeline(tmp_path):
+    events = trace_overlap.load_events(write(tmp_path / "t.json.gz", EVENTS))
+    r = trace_overlap.analyse(events, device=0, gaps=3)
+    assert r["span_ms"] == pytest.approx(0.160)
+    assert r["compute_ms"] == pytest.approx(0.120)
+    assert r["comm_ms"] == pytest.approx(0.085)
+    assert r["hidden_ms"] == pytest.approx(0.065)
+    assert r["exposed_ms"] == pytest.approx(0.020)
+    assert r["idle_ms"] == pytest.approx(0.020)
+    assert r["span_ms"] == pytest.approx(r["compute_ms"] + r["exposed_ms"] + r["idle_ms"])
+    assert r["kernel_sum_ms"] == pytest.approx(0.110)   # 4x10 + 4x15 + 10: not the copy
+    assert r["comm_kernels"] == 1
+    # gemm: alone 10 us (the 4 first and the last: 5), beside comm 15 us (4, the one at
+    # [40,55) is 2/3 beside it): 60 us where 40 would do, +50%, +20 us.
+    assert r["slowdown"] == pytest.approx(0.5)
+    assert r["slowdown_ms"] == pytest.approx(0.020)
+    longest = r["gaps"][0]
+    assert (longest["gap_ms"], longest["at_ms"], longest["comm_ms"]) == pytest.approx(
+        (0.040, 0.110, 0.020))
+    assert (longest["after"], longest["before"]) == ("Memcpy DtoD", "gemm")
+
+
+def test_cli_reports_per_iteration_and_writes_json(tmp_path, capsys):
+    path = write(tmp_path / "t.json.gz", EVENTS)
+    out = tmp_path / "r.json"
+    assert trace_overlap.main([path, "--iters", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "span 0.08 ms = compute 0.06 + comm exposed 0.01 + idle 0.01" in text
+    assert json.loads(out.read_text())[path]["comm_kernels"] == 1
+
+
+def test_cli_fails_on_a_trace_without_gpu_activity(tmp_path, capsys):
+    path = write(tmp_path / "cpu.json.gz", [{"ph": "X", "cat": "cpu_op", "name": "aten::mm",
+                                            "ts": 0, "dur": 5}])
+    assert trace_overlap.main([path]) == 1
+    assert "no GPU activity" in capsys.readouterr().err
