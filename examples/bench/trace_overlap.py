@@ -112,7 +112,7 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
 
     # Longest gaps in compute, and what filled them.
     compute_sorted = sorted(compute, key=lambda e: e["ts"])
-    ends, holes = [], []
+    holes = []
     last_end, last_name = None, None
     for e in compute_sorted:
         s, t = iv(e)
@@ -120,12 +120,12 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
             holes.append((s - last_end, last_end, s, last_name, e["name"]))
         if last_end is None or t > last_end:
             last_end, last_name = t, e["name"]
-        ends.append(t)
     holes.sort(reverse=True)
+    # "after": the kernel the gap follows; "before": the one it precedes.
     top = [{"gap_ms": g / 1e3, "at_ms": (a - all_u[0][0]) / 1e3,
             "comm_ms": covered(a, b, comm_u, comm_starts) / 1e3,
-            "after": before[:60], "before": after[:60]}
-           for g, a, b, before, after in holes[:gaps]]
+            "after": prev_name[:60], "before": next_name[:60]}
+           for g, a, b, prev_name, next_name in holes[:gaps]]
     return {
         "span_ms": span / 1e3,
         "compute_ms": length(compute_u) / 1e3,
