@@ -97,18 +97,27 @@ class SchedulerError(RuntimeError):
 
 class Request:
     """A flat tensor handed to the scheduler; ``future`` resolves to the tensor once every
-    chunk finished on the device."""
+    chunk finished on the device (on CUDA: once every chunk was issued, with CUDA stream
+    semantics). ``issue_seq`` numbers the lane's requests in the order their last
+    collective was issued (None until then); NCCL runs a lane's collectives in that order."""
 
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
         "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_event",
-        "cross_group",
+        "cross_group", "issue_seq",
     )
 
     def wait(self) -> torch.Tensor:
         """Block until the request finished on the device; returns its tensor."""
         return self.future.wait()
+
+    def finished(self) -> bool:
+        """Whether every chunk finished on the device, not only was issued; never blocks."""
+        if not self.future.done():
+            return False
+        event = self.done_event
+        return event is None or event.query()
 
     def __repr__(self) -> str:
         return (f"Request({self.key!r}, op={self.op}, numel={self.tensor.numel()}, "
@@ -177,6 +186,11 @@ class _Lane:
         # chunk may be issued right behind its reduce-scatter. Gloo runs them on a thread
         # pool, so a dependent step must wait for the previous one to finish.
         self.stream_ordered = self.cuda
+        # NCCL averages inside the collective (ReduceOp.AVG), saving the division's pass
+        # over the tensor. Only where 1/n is exact (n a power of two): x * (1/n) and x / n
+        # are then the same number, so results stay those of dividing first, as DDP does.
+        self.kernel_average = (self.cuda and "nccl" in str(dist.get_backend(group))
+                               and self.world_size & (self.world_size - 1) == 0)
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.iterations: "collections.deque[_Iteration]" = collections.deque()
@@ -195,6 +209,7 @@ class _Lane:
         self.failure: Optional[BaseException] = None
         self.dispatch_log: List[tuple] = []
         self.chunks_dispatched = 0
+        self.requests_issued = 0                  # requests whose last collective was issued
         self.bytes_dispatched = 0
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
@@ -666,6 +681,9 @@ class _Lane:
         last = step == len(req.steps) - 1
         if last:
             req.chunks_issued += 1
+            if req.chunks_issued == len(req.chunks):
+                req.issue_seq = self.requests_issued
+                self.requests_issued += 1
         if self.cuda:
             # Issue from the launch stream, which waits only for the request's ready event:
             # issued from the caller's stream, the collective would also wait for whatever
@@ -1016,7 +1034,9 @@ class Scheduler:
         forward). ``op``: ``all_reduce``; ``reduce_scatter`` (rank r's shard
         ``tensor[r*S:(r+1)*S]`` receives the reduction of that shard); ``all_gather``
         (every shard receives its owner's values). ``average`` divides by the group size
-        before the sum (DDP's semantics); ``scale`` multiplies before it. ``decompose``
+        before the sum (DDP's semantics; on NCCL, for a sum over a power-of-two group in
+        one step, the collective averages instead: ``ReduceOp.AVG``, the same values);
+        ``scale`` multiplies before it. ``decompose``
         overrides ``config.decompose`` for an all-reduce.
         """
         if self._closed:
@@ -1049,6 +1069,10 @@ class Scheduler:
             topology = self._topology(lane)
             if decompose == "auto":
                 decompose = _auto_decomposition(lane, topology, tensor, partition_bytes)
+        if (average and lane.kernel_average and op != "all_gather"
+                and reduce_op == dist.ReduceOp.SUM
+                and (topology is None or decompose == "none")):
+            reduce_op, average = dist.ReduceOp.AVG, False
         req = Request()
         req.key, req.tensor, req.op, req.group = key, tensor, op, group
         req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
@@ -1062,7 +1086,7 @@ class Scheduler:
             tensor.div_(lane.world_size)
         if scale is not None:
             tensor.mul_(scale)
-        req.ready_event = None
+        req.ready_event = req.done_event = req.issue_seq = None
         if lane.cuda:
             req.ready_event = torch.cuda.Event()
             req.ready_event.record()

@@ -57,13 +57,21 @@ def _scheduler_vs_plain(rank, world, port):
             gen = torch.Generator(device="cuda").manual_seed(10 * it + rank)
             ts = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
             refs = [t.clone() for t in ts]
+            # Odd iterations average as DDP does: divide, then sum.
+            average = it % 2 == 1
             for r in refs:
+                if average:
+                    r.div_(world)
                 dist.all_reduce(r)
             # Work queued on the default stream before submit must be seen by the chunk.
             for t in ts:
                 t.mul_(1.0)
-            reqs = [sched.submit(t, key=i, priority=-i) for i, t in enumerate(ts)]
+            reqs = [sched.submit(t, key=i, priority=-i, average=average)
+                    for i, t in enumerate(ts)]
             sched.end_iteration()
+            # One-step decompositions average inside NCCL (2 ranks: a power of two).
+            in_kernel = average and config.decompose in ("none", "rs_ag")
+            assert all((r.reduce_op == dist.ReduceOp.AVG) == in_kernel for r in reqs), config
             for r, ref in zip(reqs, refs):
                 out = r.wait()
                 torch.cuda.current_stream().synchronize()
