@@ -32,6 +32,7 @@ rank used keeps its gradient untouched (None after zero_grad(), so the optimizer
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Dict, List, Optional
 
@@ -186,8 +187,15 @@ class OverlapEngine:
     # ---- autograd hooks (autograd engine thread) ------------------------------------------
     def _grad_pre_hook(self, i: int, grad):
         """Before autograd accumulates into parameter i: its slot must be free (the last
-        iteration's request done, its update and zeroing applied), and .grad must be the
-        slot, so accumulation lands in the buffer."""
+        iteration's request done, its update and zeroing applied).
+
+        With no .grad yet, autograd hands its new gradient over as .grad without a copy,
+        and it is copied into the slot later, with the rest of its group's, in one
+        multi-tensor copy (see _adopt): one pass over the gradient, where accumulating
+        into the slot would take two (zeroing it, then an add that reads it back), and
+        one Python call per group rather than one per parameter. A sparse gradient
+        cannot be copied into a dense slot: it is accumulated into the zeroed slot
+        instead, as is every gradient after the first."""
         g, j = self.slot[i]
         if self._bw and g.submitted_iter == self._bw_iter:
             raise RuntimeError(
@@ -207,7 +215,7 @@ class OverlapEngine:
             self._settle(g)
         self._before_accumulate(g, i)
         p = self.params[i]
-        if p.grad is None:
+        if p.grad is None and grad.is_sparse:
             if not self.clean[i]:
                 g.grads[j].zero_()
             p.grad = g.grad_views[j]
@@ -218,16 +226,27 @@ class OverlapEngine:
         """Checks of the rs_ag variant."""
 
     def _grad_post_hook(self, i: int, param) -> None:
+        g, j = self.slot[i]
         if not self.sync:
+            # Under no_sync() the next micro-batches accumulate into the slot.
+            grad = param.grad
+            if grad is not g.grad_views[j]:
+                with torch.no_grad(), _plain():
+                    g.grads[j].copy_(grad)
+                param.grad = g.grad_views[j]
             return
         if not self._bw:
             self._begin_backward()
         if not self.used[i]:
             self.used[i] = True
-            g, _ = self.slot[i]
             g.ready += 1
-            if g.index == self._next and g.ready == len(g.params):
-                self._submit_ready()
+            if g.ready == len(g.params):
+                if g.index == self._next:
+                    self._submit_ready()
+                else:
+                    # Waits for a group with a parameter unused so far: hold no handed-over
+                    # gradient meanwhile.
+                    self._adopt(g)
 
     def _begin_backward(self) -> None:
         self._bw = True
@@ -271,20 +290,32 @@ class OverlapEngine:
 
     def _prepare_submit(self, g: LayerGroup) -> None:
         """Make the buffer hold exactly this rank's contribution: .grad if defined, else 0."""
+        self._adopt(g, zero_missing=True)
+        g.all_used = g.ready == len(g.params)
+
+    def _adopt(self, g: LayerGroup, zero_missing: bool = False) -> None:
+        """Copy into their slots the group's gradients that are not slot views (handed
+        over by autograd, or set by the caller), in one multi-tensor copy, and make .grad
+        the slot; ``zero_missing``: zero the slots of parameters without a gradient."""
         first = g.first
+        slots, grads, stale = [], [], []
         for j, p in enumerate(g.params):
-            i = first + j
             grad = p.grad
             if grad is None:
-                if not self.clean[i]:
-                    g.grads[j].zero_()
-                    self.clean[i] = True
+                if zero_missing and not self.clean[first + j]:
+                    stale.append(g.grads[j])
+                    self.clean[first + j] = True
             elif grad is not g.grad_views[j]:
-                with torch.no_grad(), _plain():
-                    g.grads[j].copy_(grad)
+                slots.append(g.grads[j])
+                grads.append(grad)
                 p.grad = g.grad_views[j]
-                self.clean[i] = False
-        g.all_used = g.ready == len(g.params)
+                self.clean[first + j] = False
+        if slots or stale:
+            with torch.no_grad(), _plain():
+                if slots:
+                    torch._foreach_copy_(slots, grads)
+                if stale:
+                    torch._foreach_zero_(stale)
 
     def _submit(self, g: LayerGroup) -> None:
         if g.request is not None or g.actions:
@@ -342,23 +373,46 @@ class OverlapEngine:
             self._run(g, g.actions.pop(0))
 
     def _settle_with_ready(self, g: LayerGroup) -> None:
-        """Settle ``g`` (waiting for its request) together with every other group whose
-        request already completed and that has pending actions: their updates run as one
-        optimizer step. Only where no parameter was used since step() (an update after a
+        """Settle ``g`` together with every other group whose request is done and that has
+        pending actions: their updates run as one or two optimizer steps (see
+        _settle_groups). Only where no parameter was used since step() (an update after a
         use would go unnoticed): at the first forward pre-hook of a wrapped forward.
 
         Updates are per parameter, so running them earlier, or several groups' in one
         step, gives the same values; what it saves is the optimizer's fixed cost per
         step() call (~100-300 us of Python for AdamW), paid once instead of per group."""
         req = g.request
-        if req is not None:
+        if req is not None and not req.future.done():
+            # Blocks this thread: wait first, more groups are done after it.
             g.request = None
             req.wait()
             self._after_comm(g)
         self._settle_groups([g] + [h for h in self.groups
-                                   if h is not g and h.actions and _done(h.request)])
+                                   if h is not g and h.actions and _done(h.request)],
+                            pivot=g)
 
-    def _settle_groups(self, groups: List[LayerGroup]) -> None:
+    def _settle_groups(self, groups: List[LayerGroup],
+                       pivot: Optional[LayerGroup] = None) -> None:
+        """Wait for the groups' requests, then run their pending actions.
+
+        On a GPU a request is done once issued, and its wait makes the stream wait for
+        its collectives: updates queued after that wait cannot start before they
+        finished. So while the pivot's collectives (default: the last issued request's)
+        still run on the device, the groups whose requests were issued before it are
+        settled first: their updates run beside the pivot's collectives instead of after
+        them, for one optimizer step more."""
+        if len(groups) > 1:
+            order = [_issue_order(g) for g in groups]
+            last = max(order) if pivot is None else _issue_order(pivot)
+            head = pivot if pivot is not None else groups[order.index(last)]
+            if _running(head.request):
+                early = [g for g, o in zip(groups, order) if o < last]
+                if early:
+                    self._settle_batch(early)
+                    groups = [g for g, o in zip(groups, order) if o >= last]
+        self._settle_batch(groups)
+
+    def _settle_batch(self, groups: List[LayerGroup]) -> None:
         """Wait for the groups' requests, then run their pending actions: round by round
         (each group's actions stay in order), one optimizer step per round for all the
         groups whose next action is the same step's update."""
@@ -421,20 +475,23 @@ class OverlapEngine:
             step_subset(self.optimizer, record, sorted(by_k.items()))
 
     def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
-        if g.fully_owned:
+        if g.fully_owned and not set_to_none:
             g.buffer.zero_()
         self._zero_slots(g, set_to_none)
 
     def _run_zeros(self, groups: List[LayerGroup], set_to_none: bool) -> None:
-        buffers = [g.buffer for g in groups if g.fully_owned]
-        if buffers:
-            torch._foreach_zero_(buffers)      # one call, not one per group
+        if not set_to_none:
+            buffers = [g.buffer for g in groups if g.fully_owned]
+            if buffers:
+                torch._foreach_zero_(buffers)      # one call, not one per group
         for g in groups:
             self._zero_slots(g, set_to_none)
 
     def _zero_slots(self, g: LayerGroup, set_to_none: bool) -> None:
         """zero_grad() of the group's parameters, its buffer already zeroed if the
-        optimizer owns all of them."""
+        optimizer owns all of them and the gradients stay tensors. Set to None, a slot
+        keeps its old values: the next backward overwrites it (see _grad_pre_hook), or
+        zeroes it if its parameter gets no gradient (_prepare_submit)."""
         first = g.first
         for j, p in enumerate(g.params):
             if not g.owned[j]:
@@ -447,11 +504,13 @@ class OverlapEngine:
                     with torch.no_grad(), _plain():
                         grad.zero_()
                 continue
+            if set_to_none:
+                p.grad = None
+                self.clean[first + j] = False
+                continue
             if not g.fully_owned:
                 g.grads[j].zero_()
             self.clean[first + j] = True
-            if set_to_none:
-                p.grad = None
 
     @contextlib.contextmanager
     def _update_context(self):
@@ -589,6 +648,20 @@ def sibling_group(group):
 
 def _done(request) -> bool:
     return request is None or request.future.done()
+
+
+def _running(request) -> bool:
+    """Issued (its future done: CUDA stream semantics) but still running on the device."""
+    return request is not None and request.future.done() and not request.finished()
+
+
+def _issue_order(group: LayerGroup) -> float:
+    """Where the group's pending request stands in its lane's issue order: -1 without
+    one, infinity while it is not fully issued."""
+    req = group.request
+    if req is None:
+        return -1
+    return math.inf if req.issue_seq is None else req.issue_seq
 
 
 def _bind(fn, first):

@@ -45,6 +45,7 @@ class Spec(NamedTuple):
     subgroups: bool = False         # ranks {0,1} and {2,3} train separately (group=...)
     dispatch: str = "auto"          # Config.dispatch (auto: inline on CPU)
     user_collective: bool = False   # the loop all-reduces the loss on the group every step
+    set_to_none: bool = True        # zero_grad(set_to_none=...)
 
 
 OPTIMIZERS = {
@@ -182,7 +183,7 @@ def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, 
             opt.step()
         if sched is not None:
             sched.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=spec.set_to_none)
         if spec.user_collective:
             # The application's own collective on the training group (a loss average for
             # logging), while the last chunks of the step may still wait for credit.
@@ -367,6 +368,8 @@ CASES_2 = {
     "adagrad_step_lr": Spec(opt="adagrad", sched="step"),
     "accumulation": Spec(opt="adamw_foreach", accum=2),
     "unused": Spec(model="branchy", opt="adamw_foreach"),
+    "unused_accumulation_zeroed_grads": Spec(model="branchy", opt="adamw_foreach", accum=2,
+                                             set_to_none=False),
     "adversarial_timing": Spec(model="branchy", opt="sgd", sleeps=True),
     "eval_and_state_dict": Spec(opt="adamw_foreach", eval=True, state_dict_at_end=True),
     "clip": Spec(opt="adamw_foreach", clip=0.05),

@@ -45,6 +45,12 @@ class _Held:
     def done(self):
         return self.released
 
+    def finished(self):
+        return self.released and self.request.finished()
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
+
     def release(self):
         self.request.wait()
         self.released = True
@@ -106,5 +112,156 @@ def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
         drain(model)
         for a, b in zip(ref.parameters(), net.parameters()):
             assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+class _Running:
+    """A request issued but still running on the device, as a CUDA request reads between
+    its issue and its end: done (CUDA stream semantics), not finished."""
+
+    def __init__(self, request):
+        self.request = request
+        self.future = self
+
+    def done(self):
+        return True
+
+    def finished(self):
+        return False
+
+    def wait(self):
+        return self.request.wait()
+
+    def __getattr__(self, name):
+        return getattr(self.request, name)
+
+
+def _stepped(optimizer):
+    """The parameters of each step() call, as sets of ids."""
+    steps = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: steps.append(
+        {id(p) for group in opt.param_groups for p in group["params"]}))
+    return steps
+
+
+def _ids(groups):
+    return {id(p) for g in groups for p in g.params}
+
+
+def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world1):
+    # At step(): the last issued request (inline dispatch: the first layer's group, whose
+    # gradient came last) still runs; the others' updates must not queue behind it.
+    ref, net = _mlp(), _mlp()
+    ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
+    steps = _stepped(inner)
+    model, opt = wrap(net, inner, group_bytes=0)
+    groups = model._engine.groups
+    try:
+        for step in range(3):
+            x = torch.randn(5, 4)
+            ref(x).square().sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            model(x).square().sum().backward()
+            _wait_for_gradients(model)
+            running = max(groups, key=lambda g: g.request.issue_seq)
+            assert running is groups[0]
+            running.request = _Running(running.request)
+            del steps[:]
+            opt.step()
+            assert steps == [_ids(groups[1:]), _ids(groups[:1])]
+            opt.zero_grad()
+        drain(model)
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(world1):
+    ref, net = _mlp(), _mlp()
+    ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
+    steps = _stepped(inner)
+    model, opt = wrap(net, inner, group_bytes=0)
+    groups = model._engine.groups
+    try:
+        x = torch.randn(5, 4)
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        model(x).square().sum().backward()
+        held = [_Held(g.request) for g in groups]
+        for g, h in zip(groups, held):
+            g.request = h
+        opt.step()
+        assert steps == []
+        for h in held:
+            h.release()
+        groups[0].request = _Running(groups[0].request.request)
+        # One all-done group issued after the running one joins its step.
+        groups[2].request.request.issue_seq = groups[0].request.issue_seq + 1
+        model(x)
+        assert steps == [_ids(groups[1:2]), _ids(groups[0:1] + groups[2:])]
+        drain(model)
+        for a, b in zip(ref.parameters(), net.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+def test_sparse_gradients_match_the_plain_optimizer(world1):
+    # A sparse gradient cannot be handed over to the dense slot: it is added to it.
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True),
+                                   torch.nn.Linear(4, 2))
+    ref, inner_net = net(), net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = wrap(inner_net, torch.optim.SGD(inner_net.parameters(), lr=0.1),
+                      group_bytes=0)
+    try:
+        for step in range(3):
+            idx = torch.randperm(10)[:4]       # no index twice: sums in one order
+            ref(idx).square().sum().backward()
+            assert ref[0].weight.grad.is_sparse
+            ref_opt.step()
+            ref_opt.zero_grad()
+            model(idx).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        drain(model)
+        for a, b in zip(ref.parameters(), inner_net.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        model.close()
+
+
+def test_a_group_waiting_behind_an_unused_parameter_holds_no_handed_over_gradient(world1):
+    # The last layer is unused: its group is submitted only at the end of backward, and
+    # the groups below it wait. Their gradients, handed over by autograd, must already
+    # be in their slots meanwhile (no second copy of the gradients held).
+    from commsched.overlap.groups import GradView
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = (torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0)
+    seen = []
+    net.a.weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append([type(q.grad) for q in net.b.parameters()]))
+    try:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert len(seen) == 2
+        assert all(issubclass(t, GradView) for types in seen for t in types), seen
     finally:
         model.close()

@@ -21,6 +21,13 @@ def test_unused_parameters_match_ddp_find_unused_parameters(two_ranks):
     _equal_to_ddp(two_ranks["unused"], ("loss", "seen", "final", "opt_state"))
 
 
+def test_zero_grad_keeping_zeroed_gradients_matches_ddp(two_ranks):
+    # zero_grad(set_to_none=False): gradients stay tensors, zeroed, so AdamW also steps
+    # the parameters no rank used; with unused parameters and accumulation under no_sync.
+    _equal_to_ddp(two_ranks["unused_accumulation_zeroed_grads"],
+                  ("loss", "seen", "final", "opt_state"))
+
+
 @pytest.mark.parametrize("name", ["adversarial_timing", "dispatch_thread_timing"])
 def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks, name):
     # random per-rank sleeps in forward pre-hooks, gradient hooks and before step(); the
