@@ -10,8 +10,10 @@ time from the module tree alone, so it is identical on every rank:
     block0.fc.{weight,bias}                  (group_bytes > 0 merges small modules)
     head.weight                          g2: [head.weight]
 
-Each parameter's ``.grad`` is a view of its slot in the group buffer, so autograd
-accumulates straight into what is communicated. The views handed out as ``.grad`` are
+After backward each parameter's ``.grad`` is a view of its slot in the group buffer,
+what is communicated. (A gradient autograd hands over to a parameter without one is
+copied into the slot with its group's, in one multi-tensor copy; later ones accumulate
+into the slot.) The views handed out as ``.grad`` are
 ``GradView`` tensors: any Python-level read of them (clip_grad_norm_, GradScaler.unscale_,
 logging) first lets the engine finish the communication they are part of — see
 ``GradView.__torch_function__``.
