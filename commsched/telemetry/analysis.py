@@ -257,6 +257,8 @@ def summarize(rows: List[dict]) -> dict:
         "overlap_pct_median": med("overlap_pct"), "busbw_gbps_median": med("busbw_gbps"),
         "nvlink_tx_gbps_median": med("nvlink_tx_gbps"),
         "bytes_total": sum(r["bytes"] for r in rows),
+        "nvlink_tx_bytes_total": (None if all(r["nvlink_tx_bytes"] is None for r in rows)
+                                  else sum(r["nvlink_tx_bytes"] or 0 for r in rows)),
         "incomplete_iterations": sum(1 for r in rows if not r["complete"]),
     }
 

@@ -105,6 +105,11 @@ def format_text(report: dict) -> str:
             f"{s['bytes_total'] / 1e6:.1f} MB communicated"
             + (f"; {s['incomplete_iterations']} incomplete" if s["incomplete_iterations"]
                else ""))
+        if s["nvlink_tx_bytes_total"] == 0 and s["bytes_total"] > 0:
+            lines.append("note: NVLink sent nothing while the collectives moved "
+                         f"{s['bytes_total'] / 1e6:.1f} MB: their traffic took another path "
+                         "(NCCL_P2P_DISABLE=1 or host shared memory, PCIe, the network), "
+                         "so NVLink GB/s reads 0")
     lines += ["", f"outliers ({DEFINITIONS['outlier']}): {len(report['outliers'])}"]
     for o in report["outliers"]:
         lines.append(f"  rank {o['rank']} iteration {o['iteration']}: {o['iteration_ms']:.2f} ms"

@@ -10,7 +10,8 @@ step marker. Four 1 MiB all-reduce chunks (2 ranks) per iteration:
   hardware(9) 150 ms    10            as library                     50      4096 /    0
 
 NVLink samples: at T0 (zero), 1 us after every step marker, and a mid-iteration one at b+55
-with half the iteration's bytes. Two active links of 26562 MB/s.
+with half the iteration's bytes. Two active links of 26562 MB/s. ``nvlink=False``: the
+same run with the counters never moving (traffic through host memory).
 """
 
 from commsched.telemetry.nvml import GpuInfo, LinkInfo
@@ -50,7 +51,7 @@ def link_tx_kib(k):
     return (4096, 0) if KINDS.get(k) == "hardware" else (2048, 2048)
 
 
-def messages(rank):
+def messages(rank, nvlink=True):
     links = [LinkInfo(l, 1, 6, SPEED_MBPS, "switch", None) for l in range(2)]
     msgs = [NvmlStatus("ok", "2 active links", "580.00", GpuInfo(rank, "Fake", f"GPU-{rank}",
                                                                  f"0000:1{rank}:00.0"), links),
@@ -73,17 +74,18 @@ def messages(rank):
                               priority=i))
         msgs.append(iteration(iteration=k, first_submit=b + 10 * MS, flush=b + flush_ms(k) * MS,
                               requests=1, chunks=4, nbytes=4 * MIB))
-        half = [x // 2 for x in link_tx_kib(k)]
+        tx = link_tx_kib(k) if nvlink else (0, 0)
+        half = [x // 2 for x in tx]
         msgs.append(sample(b + 55 * MS, half))
         t_step = b + duration_ms(k) * MS
         msgs.append(StepMarker(k, t_step))
-        msgs.append(sample(t_step + 1000, [x - h for x, h in zip(link_tx_kib(k), half)]))
+        msgs.append(sample(t_step + 1000, [x - h for x, h in zip(tx, half)]))
     msgs.append(HealthSample(begin_ns(N_ITERS) + MS,
                              {l: (1, SPEED_MBPS, 0, 0, 0, 0) for l in range(2)}))
     return msgs
 
 
-def build(run_dir):
+def build(run_dir, nvlink=True):
     for rank in (0, 1):
-        write_run(str(run_dir), rank, messages(rank), host=f"node{rank}")
+        write_run(str(run_dir), rank, messages(rank, nvlink), host=f"node{rank}")
     return str(run_dir)

@@ -54,6 +54,7 @@ def test_summary_medians(result):
     assert s["iterations"] == 10
     assert s["iteration_ms_median"] == pytest.approx(100)   # seven 100s, three 150s
     assert s["bytes_total"] == 10 * 4 * MIB
+    assert s["nvlink_tx_bytes_total"] == 10 * 4096 * 1024      # 4096 KiB every iteration
 
 
 def test_outliers_are_found_and_attributed(result):
@@ -87,6 +88,18 @@ def test_cli_text(run_dir, capsys):
     out = capsys.readouterr().out
     assert "rank 0: per iteration" in out and "rank 1: per iteration" in out
     assert "communication library" in out and "hardware" in out
+
+
+def test_text_says_why_nvlink_reads_zero_only_when_it_carried_nothing(run_dir, tmp_path,
+                                                                     capsys):
+    assert report_main([run_dir]) == 0
+    assert "NVLink sent nothing" not in capsys.readouterr().out
+    host_path = synthetic.build(tmp_path, nvlink=False)
+    assert report_main([host_path]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: NVLink sent nothing while the collectives moved 41.9 MB") == 2
+    result = analyze(load_run(host_path))
+    assert [s["nvlink_tx_bytes_total"] for s in result["summary"].values()] == [0, 0]
 
 
 def test_cli_json_and_iteration_range(run_dir, capsys):
