@@ -27,6 +27,19 @@ def _counted(optimizer):
     return calls
 
 
+def _backward_both(ref, ref_opt, model, x):
+    """A whole reference step, then the model's forward and backward on the same batch."""
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    model(x).square().sum().backward()
+
+
+def _assert_same(ref, net):
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a, b)
+
+
 def _wait_for_gradients(model):
     for g in model._engine.groups:
         if g.request is not None:
@@ -60,6 +73,14 @@ class _Held:
         return self.request.tensor
 
 
+def _hold_all(groups):
+    """Every group's request reads as in flight until released; returns the holders."""
+    held = [_Held(g.request) for g in groups]
+    for g, h in zip(groups, held):
+        g.request = h
+    return held
+
+
 def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
     ref, net = _mlp(), _mlp()
     ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
@@ -68,11 +89,7 @@ def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
     try:
         assert len(model._engine.groups) == 3
         for step in range(3):
-            x = torch.randn(5, 4)
-            ref(x).square().sum().backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            model(x).square().sum().backward()
+            _backward_both(ref, ref_opt, model, torch.randn(5, 4))
             _wait_for_gradients(model)
             before = calls[0]
             opt.step()
@@ -80,8 +97,7 @@ def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
             opt.zero_grad()
             assert calls[0] - before == 1
         drain(model)
-        for a, b in zip(ref.parameters(), net.parameters()):
-            assert torch.equal(a, b)
+        _assert_same(ref, net)
     finally:
         model.close()
 
@@ -99,9 +115,7 @@ def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
         ref(x).square().sum().backward()
         ref_opt.step()
         model(x).square().sum().backward()
-        held = [_Held(g.request) for g in model._engine.groups]
-        for g, h in zip(model._engine.groups, held):
-            g.request = h
+        held = _hold_all(model._engine.groups)
         opt.step()
         assert calls[0] == 0 and all(g.actions for g in model._engine.groups)
         for h in held:
@@ -110,8 +124,7 @@ def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
         assert calls[0] == 1
         assert pending_at_first_module[-1] == 0
         drain(model)
-        for a, b in zip(ref.parameters(), net.parameters()):
-            assert torch.equal(a, b)
+        _assert_same(ref, net)
     finally:
         model.close()
 
@@ -159,11 +172,7 @@ def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world
     groups = model._engine.groups
     try:
         for step in range(3):
-            x = torch.randn(5, 4)
-            ref(x).square().sum().backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            model(x).square().sum().backward()
+            _backward_both(ref, ref_opt, model, torch.randn(5, 4))
             _wait_for_gradients(model)
             running = max(groups, key=lambda g: g.request.issue_seq)
             assert running is groups[0]
@@ -173,8 +182,7 @@ def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world
             assert steps == [_ids(groups[1:]), _ids(groups[:1])]
             opt.zero_grad()
         drain(model)
-        for a, b in zip(ref.parameters(), net.parameters()):
-            assert torch.equal(a, b)
+        _assert_same(ref, net)
     finally:
         model.close()
 
@@ -190,9 +198,7 @@ def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(w
         ref(x).square().sum().backward()
         ref_opt.step()
         model(x).square().sum().backward()
-        held = [_Held(g.request) for g in groups]
-        for g, h in zip(groups, held):
-            g.request = h
+        held = _hold_all(groups)
         opt.step()
         assert steps == []
         for h in held:
@@ -203,8 +209,7 @@ def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(w
         model(x)
         assert steps == [_ids(groups[1:2]), _ids(groups[0:1] + groups[2:])]
         drain(model)
-        for a, b in zip(ref.parameters(), net.parameters()):
-            assert torch.equal(a, b)
+        _assert_same(ref, net)
     finally:
         model.close()
 
@@ -230,8 +235,7 @@ def test_sparse_gradients_match_the_plain_optimizer(world1):
             opt.step()
             opt.zero_grad()
         drain(model)
-        for a, b in zip(ref.parameters(), inner_net.parameters()):
-            assert torch.equal(a, b)
+        _assert_same(ref, inner_net)
     finally:
         model.close()
 
