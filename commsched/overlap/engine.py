@@ -373,8 +373,8 @@ class OverlapEngine:
             self._run(g, g.actions.pop(0))
 
     def _settle_with_ready(self, g: LayerGroup) -> None:
-        """Settle ``g`` together with every other group whose request is done and that has
-        pending actions: their updates run as one or two optimizer steps (see
+        """Settle ``g`` together with every other group with pending actions whose request
+        is due by ``g``'s (see _due): their updates run as one or two optimizer steps (see
         _settle_groups). Only where no parameter was used since step() (an update after a
         use would go unnoticed): at the first forward pre-hook of a wrapped forward.
 
@@ -387,8 +387,9 @@ class OverlapEngine:
             g.request = None
             req.wait()
             self._after_comm(g)
+        cutoff = _issue_order(g)
         self._settle_groups([g] + [h for h in self.groups
-                                   if h is not g and h.actions and _done(h.request)],
+                                   if h is not g and h.actions and _due(h.request, cutoff)],
                             pivot=g)
 
     def _settle_groups(self, groups: List[LayerGroup],
@@ -528,11 +529,13 @@ class OverlapEngine:
 
     def _add_actions(self, action) -> None:
         """Queue ``action`` on every group; run it now (batched) where the group's
-        request is done, the others at their forward pre-hook."""
+        request is due by the first group's (see _due), the others at their forward
+        pre-hook."""
+        cutoff = _issue_order(self.groups[0])      # the first group the forward needs
         ready = []
         for g in self.groups:
             g.actions.append(action)
-            if _done(g.request):
+            if _due(g.request, cutoff):
                 ready.append(g)
         if ready:
             self._settle_groups(ready)
@@ -646,8 +649,23 @@ def sibling_group(group):
     return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
 
 
-def _done(request) -> bool:
-    return request is None or request.future.done()
+def _due(request, cutoff: float) -> bool:
+    """Whether waiting for ``request`` costs the device nothing beyond a wait there is
+    anyway, for the request numbered ``cutoff`` in the lane's issue order (-1: none): no
+    request pending, finished, or issued no later than that one (a lane runs its
+    collectives in issue order). Off the GPU a request is done once finished.
+
+    On a GPU a request's wait makes the stream wait for its collectives, and the updates
+    queued after it run before the next forward's kernels. The forward waits for its first
+    group's collectives in any case, hence for those issued before them too. A group
+    issued after that one (a priority plan put the first layers' gradients ahead of it)
+    is left to its own forward pre-hook: batched in, the forward would wait for it."""
+    if request is None:
+        return True
+    if not request.future.done():
+        return False
+    seq = request.issue_seq
+    return (seq is not None and seq <= cutoff) or request.finished()
 
 
 def _running(request) -> bool:

@@ -162,13 +162,28 @@ def _ids(groups):
     return {id(p) for g in groups for p in g.params}
 
 
-def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world1):
-    # At step(): the last issued request (inline dispatch: the first layer's group, whose
-    # gradient came last) still runs; the others' updates must not queue behind it.
+def _stepped_pair():
+    """The reference MLP and optimizer, and the wrapped ones (one layer group per Linear)
+    with the parameters of each of the optimizer's step() calls (see _stepped)."""
     ref, net = _mlp(), _mlp()
     ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
     steps = _stepped(inner)
     model, opt = wrap(net, inner, group_bytes=0)
+    return ref, ref_opt, net, model, opt, steps
+
+
+def _issued_after_the_first(groups, first, later):
+    """groups[0]'s request ``first`` and groups[1]'s ``later`` read as still running, with
+    ``later`` issued right after ``first``."""
+    first, later = _Running(first), _Running(later)
+    later.issue_seq = first.issue_seq + 1
+    groups[0].request, groups[1].request = first, later
+
+
+def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world1):
+    # At step(): the last issued request (inline dispatch: the first layer's group, whose
+    # gradient came last) still runs; the others' updates must not queue behind it.
+    ref, ref_opt, net, model, opt, steps = _stepped_pair()
     groups = model._engine.groups
     try:
         for step in range(3):
@@ -187,11 +202,61 @@ def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world
         model.close()
 
 
+def test_step_leaves_running_groups_issued_after_the_first_layers_to_their_forward(world1):
+    # A plan issued the first layer's request (groups[0]) before groups[1]'s, and both
+    # still run. At step(), groups[1]'s update must not join: on a GPU the stream would
+    # wait for its collective before the next forward's first layer. It runs at its own
+    # module's forward pre-hook instead.
+    ref, ref_opt, net, model, opt, steps = _stepped_pair()
+    groups = model._engine.groups
+    try:
+        for step in range(3):
+            x = torch.randn(5, 4)
+            _backward_both(ref, ref_opt, model, x)
+            _wait_for_gradients(model)
+            _issued_after_the_first(groups, groups[0].request, groups[1].request)
+            del steps[:]
+            opt.step()
+            opt.zero_grad()
+            assert steps == [_ids(groups[2:]), _ids(groups[:1])]
+            assert groups[1].actions and not groups[0].actions and not groups[2].actions
+            model(x)          # the forward pre-hook of groups[1]'s module
+            assert steps[2:] == [_ids(groups[1:2])] and not groups[1].actions
+        drain(model)
+        _assert_same(ref, net)
+    finally:
+        model.close()
+
+
+def test_first_forward_hook_leaves_running_groups_issued_after_its_own(world1):
+    ref, ref_opt, net, model, opt, steps = _stepped_pair()
+    groups = model._engine.groups
+    seen = []
+    net[1].register_forward_pre_hook(lambda m, args: seen.append(list(steps)))
+    try:
+        x = torch.randn(5, 4)
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        model(x).square().sum().backward()
+        held = _hold_all(groups)
+        opt.step()
+        for h in held:
+            h.release()
+        _issued_after_the_first(groups, groups[0].request.request, groups[1].request.request)
+        del seen[:]
+        model(x)
+        # After the first module: groups[2] (issued before groups[0]), then groups[0];
+        # groups[1] only when its own module runs.
+        assert seen == [[_ids(groups[2:]), _ids(groups[:1])]]
+        assert steps == [_ids(groups[2:]), _ids(groups[:1]), _ids(groups[1:2])]
+        drain(model)
+        _assert_same(ref, net)
+    finally:
+        model.close()
+
+
 def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(world1):
-    ref, net = _mlp(), _mlp()
-    ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
-    steps = _stepped(inner)
-    model, opt = wrap(net, inner, group_bytes=0)
+    ref, ref_opt, net, model, opt, steps = _stepped_pair()
     groups = model._engine.groups
     try:
         x = torch.randn(5, 4)
