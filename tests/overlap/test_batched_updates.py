@@ -73,12 +73,20 @@ class _Held:
         return self.request.tensor
 
 
-def _hold_all(groups):
-    """Every group's request reads as in flight until released; returns the holders."""
+def _step_pending(ref, ref_opt, model, opt, x):
+    """A reference step on ``x``; then the model's backward and step(), with every group's
+    request read as in flight at step() (no update runs there), released afterwards: the
+    updates are pending for the next forward."""
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    model(x).square().sum().backward()
+    groups = model._engine.groups
     held = [_Held(g.request) for g in groups]
     for g, h in zip(groups, held):
         g.request = h
-    return held
+    opt.step()
+    for h in held:
+        h.release()
 
 
 def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
@@ -112,14 +120,8 @@ def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
         sum(1 for g in model._engine.groups if g.actions)))
     try:
         x = torch.randn(5, 4)
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        model(x).square().sum().backward()
-        held = _hold_all(model._engine.groups)
-        opt.step()
+        _step_pending(ref, ref_opt, model, opt, x)
         assert calls[0] == 0 and all(g.actions for g in model._engine.groups)
-        for h in held:
-            h.release()
         model(x)
         assert calls[0] == 1
         assert pending_at_first_module[-1] == 0
@@ -235,13 +237,7 @@ def test_first_forward_hook_leaves_running_groups_issued_after_its_own(world1):
     net[1].register_forward_pre_hook(lambda m, args: seen.append(list(steps)))
     try:
         x = torch.randn(5, 4)
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        model(x).square().sum().backward()
-        held = _hold_all(groups)
-        opt.step()
-        for h in held:
-            h.release()
+        _step_pending(ref, ref_opt, model, opt, x)
         _issued_after_the_first(groups, groups[0].request.request, groups[1].request.request)
         del seen[:]
         model(x)
@@ -260,14 +256,8 @@ def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(w
     groups = model._engine.groups
     try:
         x = torch.randn(5, 4)
-        ref(x).square().sum().backward()
-        ref_opt.step()
-        model(x).square().sum().backward()
-        held = _hold_all(groups)
-        opt.step()
+        _step_pending(ref, ref_opt, model, opt, x)
         assert steps == []
-        for h in held:
-            h.release()
         groups[0].request = _Running(groups[0].request.request)
         # One all-done group issued after the running one joins its step.
         groups[2].request.request.issue_seq = groups[0].request.issue_seq + 1
