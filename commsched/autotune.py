@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from .config import DECOMPOSITIONS
 from .observer import ChunkRecord
+from .threads import start_thread
 
 __all__ = ["Settings", "Tuner", "search", "mean_iteration_ns", "SEARCH_DECOMPOSITIONS"]
 
@@ -164,8 +165,7 @@ class _SearchJob:
             finally:
                 self.done.set()
 
-        self.thread = threading.Thread(target=run, name="commsched-autotune", daemon=True)
-        self.thread.start()
+        self.thread = start_thread(run, "commsched-autotune", "cs-autotune")
 
 
 class Tuner:

@@ -81,6 +81,7 @@ from .plan import LinkCost, Plan, RequestProfile, build_plan
 from .safety import check_agreement, first_divergence, step_crc
 from .topology import Topology, local_size_from_env
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
+from .threads import start_thread
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
@@ -248,9 +249,8 @@ class _Lane:
             # latency to every mapped time)
             self.clock_event = torch.cuda.Event(enable_timing=True)
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
-        self.thread = threading.Thread(target=self._completion_loop,
-                                       name=f"commsched-{name}", daemon=True)
-        self.thread.start()
+        self.thread = start_thread(self._completion_loop, f"commsched-{name}",
+                                   f"cs-{name}-complete")
         # --- dispatch thread (Config.dispatch): submitted requests and iteration ends wait
         # in the inbox, in call order, for the dispatch thread; the caller keeps the keys
         # of its open iteration to reject a duplicate at once.
@@ -261,12 +261,10 @@ class _Lane:
             self.inbox_ready = threading.Condition(self.inbox_lock)
             self.inbox_closed = False
             self.caller_keys: set = set()
-            self.dispatcher = threading.Thread(target=self._dispatch_loop,
-                                               name=f"commsched-{name}-dispatch", daemon=True)
-            self.dispatcher.start()
-        self.watchdog = threading.Thread(target=self._watchdog,
-                                         name=f"commsched-{name}-watchdog", daemon=True)
-        self.watchdog.start()
+            self.dispatcher = start_thread(self._dispatch_loop, f"commsched-{name}-dispatch",
+                                           f"cs-{name}-dispatch")
+        self.watchdog = start_thread(self._watchdog, f"commsched-{name}-watchdog",
+                                     f"cs-{name}-watchdog")
 
     def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
         options = self.options.get(reduce_op)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..threads import start_thread
 from .nvml import (FIELD, HEALTH_COUNTERS, SCOPE_ALL_LINKS, GpuInfo, GpuSelector, LinkInfo,
                    NvmlBackend, NvmlUnavailable, discover_links, resolve_gpu)
 
@@ -99,8 +100,7 @@ class NvlinkSampler:
     # --- control, any thread -----------------------------------------------------------------
     def start(self) -> None:
         self._alive = True
-        self._thread = threading.Thread(target=self._run, name="commsched-nvml", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "commsched-nvml", "cs-nvml")
 
     def request(self, per_link: bool = True) -> int:
         """Ask for a sample as soon as possible, reading every link if ``per_link`` (and the

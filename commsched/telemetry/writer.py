@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..observer import ChunkRecord, IterationRecord
+from ..threads import start_thread
 from .assembly import IterationAssembler, LinkRow
 from .errors import TelemetryWarning
 from .metrics import algbw_gbps, busbw_gbps
@@ -104,9 +105,7 @@ class StoreWriter:
         self._q.put(message)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="commsched-telemetry",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "commsched-telemetry", "cs-telemetry")
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Block until everything put so far is committed (False on timeout)."""
