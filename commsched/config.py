@@ -74,9 +74,11 @@ class Config:
 
     partition_bytes: int = field(default=32 << 20, metadata=_env(
         "COMMSCHED_PARTITION_BYTES",
-        "Largest chunk a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); "
-        "0 or inf disables partitioning."))
-    """Largest chunk a request is partitioned into; 0 means no partitioning."""
+        "Chunk size a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); a "
+        "remainder under 1/8 of it rides with the last chunk; 0 or inf disables "
+        "partitioning."))
+    """Chunk size a request is partitioned into (a remainder under 1/8 of it is folded into
+    the last chunk, see partition.py); 0 means no partitioning."""
 
     credit_bytes: int = field(default=0, metadata=_env(
         "COMMSCHED_CREDIT_BYTES",

@@ -12,11 +12,14 @@ Shapes, for a group of size W:
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 
-__all__ = ["Chunk", "partition"]
+__all__ = ["Chunk", "partition", "SLIVER"]
+
+# A remainder under 1/SLIVER of the partition size rides with the last chunk (see partition).
+SLIVER = 8
 
 
 class Chunk:
@@ -61,7 +64,11 @@ class Chunk:
 
 
 def partition(request, partition_bytes: int, multiple: int) -> List[Chunk]:
-    """Cut ``request`` into chunks of at most ``partition_bytes`` payload bytes.
+    """Cut ``request`` into chunks of ``partition_bytes`` payload bytes; a remainder of
+    less than 1/``SLIVER`` of that is folded into the last chunk (which may then be up to
+    that much larger) instead of going as a sliver of its own: a collective costs its host
+    and launch overhead whatever its size, and a layer group of exactly the partition size
+    plus a few usage flags would otherwise cost two.
 
     ``multiple``: chunk lengths (all but the last) of an all-reduce are rounded down to a
     multiple of it — the group size when the chunk is decomposed into reduce-scatter +
@@ -78,14 +85,21 @@ def partition(request, partition_bytes: int, multiple: int) -> List[Chunk]:
         per_chunk = total if partition_bytes == 0 else max(1, partition_bytes // itemsize)
         if multiple > 1 and per_chunk < total:
             per_chunk = max(multiple, per_chunk - per_chunk % multiple)
-        bounds = range(0, total, per_chunk) if total else range(1)
-        return [Chunk(request, j, start, min(per_chunk, total - start),
-                      min(per_chunk, total - start) * itemsize)
-                for j, start in enumerate(bounds)]
+        return [Chunk(request, j, start, numel, numel * itemsize)
+                for j, (start, numel) in enumerate(_pieces(total, per_chunk))]
     # reduce_scatter / all_gather: split each shard into pieces of the same offsets.
     shard = tensor.numel() // world
     per_piece = shard if partition_bytes == 0 else max(1, partition_bytes // (itemsize * world))
-    bounds = range(0, shard, per_piece) if shard else range(1)
-    return [Chunk(request, j, start, min(per_piece, shard - start),
-                  min(per_piece, shard - start) * itemsize * world)
-            for j, start in enumerate(bounds)]
+    return [Chunk(request, j, start, numel, numel * itemsize * world)
+            for j, (start, numel) in enumerate(_pieces(shard, per_piece))]
+
+
+def _pieces(total: int, size: int) -> List[Tuple[int, int]]:
+    """(start, length) of consecutive pieces of ``size`` covering ``total`` elements, the
+    last one taking a remainder of less than size/SLIVER with it; one empty piece for 0."""
+    if total <= size:
+        return [(0, total)]
+    count, rest = divmod(total, size)
+    if rest and rest * SLIVER >= size:
+        count += 1
+    return [(j * size, size if j < count - 1 else total - j * size) for j in range(count)]

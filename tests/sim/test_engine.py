@@ -150,6 +150,12 @@ def test_device_readiness_delays_the_start_not_the_dispatch():
     # reduce_scatter of 12 floats on 2 ranks (shards of 6), 16-byte partition:
     # 16 // (4 * 2) = 2 elements per shard piece -> 3 chunks of 2 * 4 * 2 = 16 bytes
     (12, torch.float32, 16, 2, "none", "reduce_scatter", [16, 16, 16]),
+    # a remainder under 1/8 of the partition rides with the last chunk: 65 floats, 16 a
+    # chunk -> 16, 16, 16, 17 floats; at 1/8 it goes on its own: 34 -> 16, 16, 2
+    (65, torch.float32, 64, 2, "none", "all_reduce", [64, 64, 64, 68]),
+    (34, torch.float32, 64, 2, "none", "all_reduce", [64, 64, 8]),
+    # reduce_scatter, shards of 33 floats, 16-float pieces: 16, 17 per shard, 2 ranks
+    (66, torch.float32, 128, 2, "none", "reduce_scatter", [128, 136]),
 ])
 def test_partition_agrees_with_hand_arithmetic_and_the_scheduler(numel, dtype, part, world,
                                                                   decompose, op, expected):
