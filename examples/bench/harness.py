@@ -174,6 +174,100 @@ WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
 # Bench: what a mode needs (device, seeded model, step, timing loop)
 # ---------------------------------------------------------------------------------------
 
+def thread_times() -> Dict[str, List[int]]:
+    """Per thread of this process (Linux; empty elsewhere), by name (the main thread is
+    "main"; threads of one name are summed): [ns on a CPU, ns waiting for a CPU, voluntary
+    and involuntary context switches] since the thread started, from /proc. A thread's CPU
+    time against its wall time tells computing from waiting; time waiting for a CPU and
+    involuntary switches tell CPU contention; voluntary switches count the thread's waits
+    (locks, the GIL, blocking calls)."""
+    out: Dict[str, List[int]] = {}
+    root = Path("/proc/self/task")
+    if not root.is_dir():
+        return out
+    main = str(os.getpid())
+    for task in root.iterdir():
+        try:
+            name = "main" if task.name == main else (task / "comm").read_text().strip()
+            on_cpu, waiting = map(int, (task / "schedstat").read_text().split()[:2])
+            switches = [int(line.split()[1]) for line in (task / "status").read_text().splitlines()
+                        if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt"))]
+        except (OSError, ValueError):
+            continue                      # a thread that ended meanwhile
+        total = out.setdefault(name, [0, 0, 0, 0])
+        for k, value in enumerate([on_cpu, waiting] + switches):
+            total[k] += value
+    return out
+
+
+def thread_deltas(before: Dict[str, List[int]], after: Dict[str, List[int]],
+                  steps: int) -> Dict[str, Dict[str, float]]:
+    """Per thread name, per step: ms on a CPU, ms waiting for one, and switches."""
+    deltas = {}
+    for name, now in after.items():
+        then = before.get(name, [0, 0, 0, 0])
+        d = [a - b for a, b in zip(now, then)]
+        if d[0] <= 0:
+            continue
+        deltas[name] = {"cpu_ms": round(d[0] * 1e-6 / steps, 3),
+                        "runqueue_ms": round(d[1] * 1e-6 / steps, 3),
+                        "voluntary": round(d[2] / steps, 1),
+                        "involuntary": round(d[3] / steps, 1)}
+    return deltas
+
+
+class PhaseProbe:
+    """``BENCH_PHASES=1``: where a host-bound step's time goes. Each timed step marks the
+    end of its forward, backward and optimizer phases with a host timestamp and a CUDA
+    event on the training stream. Per phase it reports the host time the training thread
+    spent in it and the device lag at its end: how long after the host got there the
+    stream got there (the stream reaches an event once the work queued before it ran). A
+    lag near 0 means the device waited for the host; a growing lag, that the host ran
+    ahead of a busy device. Events map onto the host clock through one event recorded on
+    the idle stream at the start of each window. A few events per step: light enough not
+    to change what it measures, unlike a profiler."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, device: torch.device, window: int):
+        self.device = device
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.events = [torch.cuda.Event(enable_timing=True)
+                       for _ in range(window * (len(self.PHASES) + 1))]
+        self.marks: List[int] = []
+        self.t_ref = 0
+        self.host: Dict[str, List[float]] = {p: [] for p in self.PHASES}
+        self.lag: Dict[str, List[float]] = {p: [] for p in self.PHASES}
+
+    def begin_window(self) -> None:
+        """After a device synchronisation: the reference event, and no marks yet."""
+        self.ref.record()
+        self.ref.synchronize()
+        self.t_ref = time.perf_counter_ns()
+        self.marks = []
+
+    def mark(self) -> None:
+        """The start of a step, then the end of each of its phases."""
+        self.events[len(self.marks)].record()
+        self.marks.append(time.perf_counter_ns())
+
+    def end_window(self) -> None:
+        """After a device synchronisation: fold the window's marks into the samples."""
+        per_step = len(self.PHASES) + 1
+        for first in range(0, len(self.marks), per_step):
+            for k, phase in enumerate(self.PHASES, start=first + 1):
+                device_ns = self.t_ref + self.ref.elapsed_time(self.events[k]) * 1e6
+                self.host[phase].append((self.marks[k] - self.marks[k - 1]) * 1e-6)
+                self.lag[phase].append((device_ns - self.marks[k]) * 1e-6)
+
+    def summary(self) -> Dict[str, Dict[str, float]]:
+        """Medians over the timed steps, in ms: host time per phase, device lag at its end."""
+        def median(values: List[float]) -> float:
+            return round(sorted(values)[len(values) // 2], 3) if values else float("nan")
+        return {phase: {"host_ms": median(self.host[phase]), "lag_ms": median(self.lag[phase])}
+                for phase in self.PHASES}
+
+
 class Bench:
     """Per-worker context handed to every mode: rank, device, workload, timing settings, and
     a cache shared by the modes of one workload (DDP's bucket sizes)."""
@@ -193,6 +287,9 @@ class Bench:
         self.regime = regime
         self.mode_name = ""
         self.cache: Dict[str, Any] = {}
+        self.probe: Optional[PhaseProbe] = None     # BENCH_PHASES, while timed steps run
+        self.phases: Optional[Dict[str, Dict[str, float]]] = None
+        self.threads: Optional[Dict[str, Dict[str, float]]] = None
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
@@ -239,11 +336,20 @@ class Bench:
         device_type = self.device.type
 
         def step() -> None:
+            probe = self.probe
+            if probe is not None:
+                probe.mark()
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.cuda):
                 loss = loss_fn(model(inputs), targets)
+            if probe is not None:
+                probe.mark()
             loss.backward()
+            if probe is not None:
+                probe.mark()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if probe is not None:
+                probe.mark()
 
         return step
 
@@ -263,16 +369,25 @@ class Bench:
         self.barrier()
         times = []
         cpu0, main0 = time.process_time(), time.thread_time()
+        threads0 = thread_times() if os.environ.get("BENCH_PHASES") == "1" else None
         # BENCH_WINDOW=k: synchronise only every k iterations (each sample is a window's
         # mean), so that communication may overlap the next forward, as in training.
         window = max(1, int(os.environ.get("BENCH_WINDOW", "1")))
+        probe = (PhaseProbe(self.device, window)
+                 if self.cuda and os.environ.get("BENCH_PHASES") == "1" else None)
         for _ in range(self.iters):
             self.sync()
+            if probe is not None:
+                probe.begin_window()
+                self.probe = probe
             start = time.perf_counter()
             for _ in range(window):
                 step()
             self.sync()
             times.append((time.perf_counter() - start) * 1e3 / window)
+            self.probe = None
+            if probe is not None:
+                probe.end_window()
         # CPU per iteration, all threads and the training thread alone: where a mode's extra
         # time goes when the GPU is not the bottleneck.
         self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / (self.iters * window),
@@ -281,6 +396,20 @@ class Bench:
             print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
                   f"{self.cpu_ms[1]:.1f}; median {sorted(times)[len(times) // 2]:.1f} ms",
                   flush=True)
+        if threads0 is not None:
+            self.threads = thread_deltas(threads0, thread_times(), self.iters * window)
+            print(f"[bench] rank {self.rank} {self.mode_name} threads per step (ms on CPU, "
+                  "ms waiting for a CPU, voluntary/involuntary switches): " + ", ".join(
+                      f"{n} {v['cpu_ms']:.1f} {v['runqueue_ms']:.1f} "
+                      f"{v['voluntary']:.0f}/{v['involuntary']:.0f}"
+                      for n, v in sorted(self.threads.items(), key=lambda kv: -kv[1]["cpu_ms"])
+                      if v["cpu_ms"] >= 0.1), flush=True)
+        if probe is not None:
+            self.phases = probe.summary()
+            print(f"[bench] rank {self.rank} {self.mode_name} phases (host ms / device lag "
+                  "ms at the end): " + ", ".join(
+                      f"{p} {v['host_ms']:.2f} / {v['lag_ms']:.2f}"
+                      for p, v in self.phases.items()), flush=True)
         profile_dir = os.environ.get("BENCH_PROFILE")
         if profile_dir:
             self.profile(step, window, Path(profile_dir))
@@ -445,9 +574,13 @@ def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
                                       **extra)
     try:
         times = bench.time(bench.train_step(model, optimizer))
+        # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
+        from commsched.overlap.update import state_bytes
+        state = state_bytes(optimizer)
     finally:
         close_quietly(model, optimizer)
-    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
+    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
+            "optimizer_state_bytes": state}
 
 
 def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
@@ -618,6 +751,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(bench.device)
     failed = 0
     bench.cpu_ms = None
+    bench.phases = bench.threads = None
     bench.mode_name = mode.name
     try:
         measured = mode.run(bench)
@@ -627,6 +761,10 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         if bench.cpu_ms is not None:
             result["cpu_ms_per_iter"] = {"process": bench.cpu_ms[0],
                                          "training_thread": bench.cpu_ms[1]}
+        if bench.phases is not None:
+            result["phases"] = [bench.phases]        # this rank's, per round (BENCH_PHASES)
+        if bench.threads is not None:
+            result["threads"] = [bench.threads]      # this rank's, per round (BENCH_PHASES)
     except ModeUnavailable as exc:
         result = empty_result(mode, "n/a", str(exc))
     except Exception as exc:  # noqa: BLE001 - OOM or a bug in a mode: report it, go on
@@ -707,6 +845,9 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
         merged["cpu_ms_per_iter"] = {
             k: (previous["cpu_ms_per_iter"][k] * rounds + v) / (rounds + 1)
             for k, v in result["cpu_ms_per_iter"].items()}
+    for key in ("phases", "threads"):
+        if previous.get(key) and result.get(key):
+            merged[key] = previous[key] + result[key]
     if result.get("throughput"):
         merged["throughput"] = result["throughput"] * result["median_ms"] / merged["median_ms"]
     return merged
@@ -898,8 +1039,11 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
                 f"{result['settle_steps']} steps")
     config = result.get("commsched_config")
     if config:
-        return (f"partition {config['partition_bytes'] >> 10} KiB, credit "
+        text = (f"partition {config['partition_bytes'] >> 10} KiB, credit "
                 f"{config['credit_bytes'] >> 10} KiB, {config['policy']}, {config['decompose']}")
+        if result.get("optimizer_state_bytes") is not None:
+            text += f"; optimizer state {result['optimizer_state_bytes'] / 2**20:.0f} MiB/rank"
+        return text
     return None
 
 
