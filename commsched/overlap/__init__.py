@@ -26,6 +26,12 @@ What falls back, and what is not supported:
   moves/dtype changes after wrap() and deepcopy of the wrapped model are untested.
 - After optimizer.zero_grad() a gradient is None once its group's update ran; until then it
   still reads as the averaged gradient (set_to_none semantics, deferred).
+- Layer groups, their priorities and the submission order follow module registration
+  order. A model whose forward calls its modules in another order trains correctly, but
+  the layer its forward needs first may be scheduled last, and backward submits nothing
+  until the gradients of the first-registered group are ready (DDP rebuilds its buckets
+  from the observed order instead).
+- COMMSCHED_DECOMPOSE=hier / leader are refused (ValueError); auto is none.
 
 Example::
     model, optimizer = commsched.overlap.wrap(model, optimizer)

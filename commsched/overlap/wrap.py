@@ -159,7 +159,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     ``config`` defaults to ``Config.from_env()``; ``config.decompose == "rs_ag"`` selects
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
-    in the next forward). ``group_bytes``: a layer group is closed at a module boundary
+    in the next forward); ``none`` and ``auto`` all-reduce; ``hier`` and ``leader`` are
+    rejected (they are the DDP hook's and Megatron's). ``group_bytes``: a layer group is closed at a module boundary
     once it holds this many gradient bytes (default 25 MiB, DDP's bucket cap; 0: one group
     per module). ``reads_grads``:
     the loop reads gradients between backward() and step() (gradient clipping, GradScaler);
@@ -176,6 +177,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if isinstance(model, OverlapDataParallel) or isinstance(optimizer, OverlapOptimizer):
         raise TypeError("commsched.wrap: model or optimizer is already wrapped")
     config = config if config is not None else Config.from_env()
+    if config.decompose in ("hier", "leader"):
+        raise ValueError(
+            f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
+            "available in the data-parallel mode, which all-reduces on its own process "
+            "group: use none, auto (= none here) or rs_ag (ZeRO-1)")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
                   broadcast_buffers=broadcast_buffers, scheduler=scheduler, observer=observer)
     if config.decompose == "rs_ag":

@@ -41,6 +41,15 @@ def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
         drain(net)
 
 
+@pytest.mark.parametrize("decompose", ["hier", "leader"])
+def test_topology_decompositions_are_refused_naming_the_variable(world1, decompose):
+    net = _mlp()
+    with pytest.raises(ValueError, match=f"decompose='{decompose}'.*COMMSCHED_DECOMPOSE"):
+        wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+             commsched.Config(decompose=decompose))
+    assert all(not m._forward_pre_hooks for m in net.modules())      # nothing half-applied
+
+
 def test_rs_ag_rejects_optimizers_that_are_not_elementwise(world1):
     net = _mlp()
     with pytest.raises(TypeError, match="Adafactor"):
