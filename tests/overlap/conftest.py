@@ -13,7 +13,7 @@ from distributed import run_workers
 
 from .scenarios import CASES_2, CASES_4, run_scenarios
 
-_DIFFS = ("loss", "seen", "final", "eval", "state_dict", "opt_state")
+_DIFFS = ("loss", "seen", "final", "eval", "state_dict", "opt_state", "init")
 
 
 def _run(world_size: int, cases, tmp_path_factory, timeout: float) -> dict:

@@ -46,6 +46,27 @@ class Spec(NamedTuple):
     dispatch: str = "auto"          # Config.dispatch (auto: inline on CPU)
     user_collective: bool = False   # the loop all-reduces the loss on the group every step
     set_to_none: bool = True        # zero_grad(set_to_none=...)
+    per_rank_init: bool = False     # every rank initialises differently (see make_model)
+
+
+class FusedLAMB(torch.optim.Adam):
+    """A coupled optimizer: its name is one overlap mode steps once over the whole model
+    (update._COUPLED, as apex's FusedLAMB), and like LAMB it couples parameters through a
+    global gradient norm: the learning rate is scaled by 1 / (1 + ||all gradients||).
+    Stepped per layer group it would see only the group's gradients, and diverge."""
+
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        saved = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = g["lr"] / (1.0 + norm)
+        try:
+            return super().step(closure)
+        finally:
+            for g, lr in zip(self.param_groups, saved):
+                g["lr"] = lr
 
 
 OPTIMIZERS = {
@@ -55,6 +76,8 @@ OPTIMIZERS = {
     "adamw_single": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, weight_decay=1e-3),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "fused_lamb": lambda ps: FusedLAMB(ps, lr=1e-2, weight_decay=1e-3),
 }
 
 SCHEDULERS = {
@@ -118,9 +141,25 @@ class WithBN(nn.Module):
 MODELS = {"mlp": MLP, "branchy": Branchy, "tied": Tied, "bn": WithBN}
 
 
-def make_model(spec: Spec) -> nn.Module:
-    torch.manual_seed(1234)
-    return MODELS[spec.model]()
+def make_model(spec: Spec, rank: int = 0) -> nn.Module:
+    """The same model on every rank, unless ``spec.per_rank_init``: then rank r's comes from
+    another seed and its buffers are filled with rank-specific values (rank 0's model is
+    the one every rank gets otherwise), which DDP and wrap() must replace by rank 0's."""
+    torch.manual_seed(1234 + (rank if spec.per_rank_init else 0))
+    model = MODELS[spec.model]()
+    if spec.per_rank_init and rank != 0:
+        with torch.no_grad():
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.uniform_(0.5, 1.5)        # BatchNorm running mean / var (> 0)
+                else:
+                    b.fill_(rank)               # num_batches_tracked
+    return model
+
+
+def model_state(model: nn.Module) -> List[torch.Tensor]:
+    """Parameters, then buffers, detached copies."""
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
 
 def batch(rank: int, step: int, micro: int = 0):
@@ -146,6 +185,9 @@ class Trace:
         self.warnings = 0
         self.current_step = 0
         self.state_bytes = 0
+        self.before_wrap: List[torch.Tensor] = []   # overlap: this rank's own initial state
+        self.after_wrap: List[torch.Tensor] = []    # overlap: the state wrap() left
+        self.opt_steps = 0                          # overlap: real optimizer step() calls
 
 
 def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, group=None):
@@ -200,7 +242,7 @@ def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, 
 
 def run_ddp(spec: Spec, rank: int, group=None) -> Trace:
     from torch.nn.parallel import DistributedDataParallel as DDP
-    inner = make_model(spec)
+    inner = make_model(spec, rank)
     model = DDP(inner, find_unused_parameters=spec.model == "branchy", process_group=group)
     opt = OPTIMIZERS[spec.opt](inner.parameters())
     trace = Trace()
@@ -221,9 +263,11 @@ def run_ddp(spec: Spec, rank: int, group=None) -> Trace:
 def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
     import commsched
     from commsched.overlap import drain, state_bytes, wrap
-    inner = make_model(spec)
+    inner = make_model(spec, rank)
     opt = OPTIMIZERS[spec.opt](inner.parameters())
     trace = Trace()
+    trace.before_wrap = model_state(inner)
+    opt.register_step_pre_hook(lambda *a: setattr(trace, "opt_steps", trace.opt_steps + 1))
     names = {id(p): n for n, p in inner.named_parameters()}
     if spec.sleeps:
         random.seed(rank * 7919 + 17)
@@ -238,6 +282,7 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         model, wopt = wrap(inner, opt, config, group, group_bytes=0,
                            reads_grads=spec.reads_grads)
         engine = model._engine
+        trace.after_wrap = model_state(inner)
         # Registered after wrap: runs after overlap mode's own pre-hook (which is prepended).
         for m in inner.modules():
             if any(True for _ in m.parameters(recurse=False)):
@@ -310,6 +355,7 @@ def compare(spec: Spec, ref: Trace, got: Trace, names: List[str]) -> dict:
         "skipped": got.skipped,
         "state_bytes": got.state_bytes,
         "ref_state_bytes": ref.state_bytes,
+        "opt_steps": got.opt_steps,
     }
     if spec.eval:
         out["eval"] = _maxdiff(ref.evals, got.evals)
@@ -352,6 +398,10 @@ def run_scenarios(rank: int, world_size: int, cases: Dict[str, Spec], out_dir: s
         dist.barrier()
         names = [n for n, _ in make_model(spec).named_parameters()]
         result = compare(spec, ref, got, names)
+        if spec.per_rank_init:
+            rank0 = model_state(make_model(spec, 0))
+            result["init_before"] = _maxdiff(got.before_wrap, rank0)
+            result["init"] = _maxdiff(got.after_wrap, rank0)
         result.update(name=name, rank=rank, seconds=time.perf_counter() - t0)
         with open(path, "a") as f:
             f.write(json.dumps(result) + "\n")
@@ -392,6 +442,14 @@ CASES_2 = {
                                                   dispatch="thread"),
     "rs_ag_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
                                                     decompose="rs_ag", dispatch="thread"),
+    # each rank initialises parameters and buffers differently: rank 0's must win
+    "per_rank_init": Spec(model="bn", opt="sgd", per_rank_init=True, eval=True,
+                          state_dict_at_end=True),
+    "rs_ag_per_rank_init": Spec(model="bn", opt="adamw_foreach", per_rank_init=True,
+                                decompose="rs_ag"),
+    # a coupled optimizer (by name: update._COUPLED) is stepped once over the whole model
+    "whole_model_fused_lamb": Spec(opt="fused_lamb"),
+    "adamw_fused": Spec(opt="adamw_fused"),
 }
 
 CASES_4 = {
@@ -403,4 +461,7 @@ CASES_4 = {
                                decompose="rs_ag"),
     "subgroups_rs_ag_adamw": Spec(model="bn", opt="adamw_foreach", subgroups=True,
                                   decompose="rs_ag"),
+    # plain all-reduce (default decompose) with two more optimizers
+    "sgd_momentum": Spec(opt="sgd"),
+    "adamw_single": Spec(opt="adamw_single"),
 }

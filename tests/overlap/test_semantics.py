@@ -4,6 +4,8 @@ stock DDP on 2 ranks, bitwise (see test_trajectories.py for why 2 ranks are bitw
 
 import pytest
 
+from .scenarios import CASES_2
+
 
 def _equal_to_ddp(r, keys=("loss", "seen", "final")):
     for key in keys:
@@ -61,6 +63,18 @@ def test_shared_parameters_are_counted_once(two_ranks):
 
 def test_buffers_broadcast_from_rank0_like_ddp(two_ranks):
     _equal_to_ddp(two_ranks["buffers"], ("loss", "seen", "final", "eval", "state_dict"))
+
+
+@pytest.mark.parametrize("name", ["per_rank_init", "rs_ag_per_rank_init"])
+def test_initial_parameters_and_buffers_are_broadcast_from_rank0(two_ranks, name):
+    # each rank seeds its model differently and rank 1 perturbs its BatchNorm buffers;
+    # right after wrap() (before any forward) every rank holds rank 0's initial
+    # parameters and buffers, and trains like DDP (which broadcasts from rank 0 too)
+    r = two_ranks[name]
+    assert [row["init_before"] > 0 for row in r["ranks"]] == [False, True]   # premise
+    assert r["init"] == 0.0, r["init"]
+    _equal_to_ddp(r, [k for k in ("loss", "seen", "final", "eval", "state_dict") if k in r])
+    assert r["seen_count"] == (CASES_2[name].steps - 1) * 6
 
 
 def test_clip_grad_norm_falls_back_to_a_synchronous_step_with_one_warning(two_ranks):

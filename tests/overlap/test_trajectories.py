@@ -54,6 +54,40 @@ def test_four_ranks_equal_to_ddp_within_rounding(four_ranks, name):
     assert r["in_flight"] > 0
 
 
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_single"])
+def test_four_ranks_sgd_momentum_and_single_tensor_adamw_track_ddp(four_ranks, name):
+    # plain all-reduce (default decompose), 20 steps; every module checked at every
+    # forward after the first step; optimizer state within 1e-6 too
+    spec = CASES_4[name]
+    assert spec.decompose == "none" and spec.steps >= 20 and spec.accum == 1
+    r = four_ranks[name]
+    for key in ("loss", "seen", "final", "opt_state"):
+        assert r[key] <= 1e-6, (name, key, r[key])
+    assert r["seen_count"] == (spec.steps - 1) * 6
+    assert r["in_flight"] > 0
+
+
+def test_a_coupled_optimizer_is_stepped_once_over_the_whole_model(two_ranks):
+    # FusedLAMB (scenarios.py): a class name overlap mode steps synchronously over the
+    # whole model; its learning rate depends on the norm of all gradients, so per-group
+    # steps would diverge from DDP's
+    r = two_ranks["whole_model_fused_lamb"]
+    for key in BITWISE:
+        assert r[key] == 0.0, (key, r[key])
+    assert r["seen_count"] == (CASES_2["whole_model_fused_lamb"].steps - 1) * 6
+    for row in r["ranks"]:
+        assert row["opt_steps"] == CASES_2["whole_model_fused_lamb"].steps   # one per step()
+    assert r["in_flight"] == 0          # synchronous: nothing left for the next forward
+
+
+def test_fused_adamw_on_cpu_is_bitwise_equal_to_ddp(two_ranks):
+    r = two_ranks["adamw_fused"]
+    for key in BITWISE:
+        assert r[key] == 0.0, (key, r[key])
+    assert r["seen_count"] == (CASES_2["adamw_fused"].steps - 1) * 6
+    assert r["in_flight"] > 0
+
+
 def test_a_process_group_argument_trains_like_ddp_on_that_group(four_ranks):
     # ranks {0, 1} and {2, 3} each train their own replica (BatchNorm buffers broadcast
     # from the group's first rank, rs_ag) through wrap(..., group): two-rank groups,
