@@ -324,3 +324,54 @@ def test_a_group_waiting_behind_an_unused_parameter_holds_no_handed_over_gradien
         assert all(issubclass(t, GradView) for types in seen for t in types), seen
     finally:
         model.close()
+
+
+class _SideUse(torch.nn.Module):
+    """``head`` is called in forward, or (``side=True``) its weights are used directly,
+    outside its forward: then no forward pre-hook settles its layer group."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x, side=False):
+        h = torch.tanh(self.a(x))
+        if side:
+            return torch.nn.functional.linear(h, self.head.weight, self.head.bias)
+        return self.head(h)
+
+
+def test_a_parameter_used_outside_its_module_before_its_update_is_an_error(world1):
+    ref, net = _SideUse(), _SideUse()
+    ref_opt = _adamw(ref.parameters())
+    model, opt = wrap(net, _adamw(net.parameters()), group_bytes=0)
+    try:
+        _step_pending(ref, ref_opt, model, opt, torch.randn(5, 4))
+        model._engine.groups[1].request.released = False    # head's: not due at a's hook
+        loss = model(torch.randn(5, 4), side=True).square().sum()
+        with pytest.raises(RuntimeError, match="'head.(weight|bias)' was used in forward before"):
+            loss.backward()
+    finally:
+        model.close()
+
+
+def test_a_parameter_reached_again_after_its_group_was_submitted_is_an_error(world1):
+    # Reentrant checkpointing runs its own backward: ``a`` used inside and outside the
+    # checkpoint gets its gradient in two passes, after its group went in the first.
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(_SideUse):
+        def forward(self, x, side=False):
+            h = torch.tanh(self.a(x))
+            h = checkpoint(lambda t: torch.tanh(self.a(t[:, :4])), h, use_reentrant=True)
+            return self.head(h)
+
+    net = Twice()
+    model, opt = wrap(net, _adamw(net.parameters()), group_bytes=0)
+    try:
+        loss = model(torch.randn(5, 4).requires_grad_()).square().sum()
+        with pytest.raises(RuntimeError, match="'a.(weight|bias)' received a gradient after"):
+            loss.backward()
+    finally:
+        model.close()
