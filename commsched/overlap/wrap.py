@@ -160,9 +160,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     ``config`` defaults to ``Config.from_env()``; ``config.decompose == "rs_ag"`` selects
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
     in the next forward); ``none`` and ``auto`` all-reduce; ``hier`` and ``leader`` are
-    rejected (they are the DDP hook's and Megatron's). ``group_bytes``: a layer group is closed at a module boundary
-    once it holds this many gradient bytes (default 25 MiB, DDP's bucket cap; 0: one group
-    per module). ``reads_grads``:
+    rejected (they are the DDP hook's and Megatron's). ``group_bytes``: a layer group is
+    closed at a module boundary once it holds this many gradient bytes (default 25 MiB,
+    DDP's bucket cap; 0: one group per module). ``reads_grads``:
     the loop reads gradients between backward() and step() (gradient clipping, GradScaler);
     backward then waits for its communication, as DDP's does. ``broadcast_buffers``: as in
     DDP, buffers are broadcast from rank 0 at every training forward. ``scheduler`` /

@@ -229,8 +229,7 @@ class PhaseProbe:
 
     PHASES = ("forward", "backward", "optimizer")
 
-    def __init__(self, device: torch.device, window: int):
-        self.device = device
+    def __init__(self, window: int):
         self.ref = torch.cuda.Event(enable_timing=True)
         self.events = [torch.cuda.Event(enable_timing=True)
                        for _ in range(window * (len(self.PHASES) + 1))]
@@ -373,7 +372,7 @@ class Bench:
         # BENCH_WINDOW=k: synchronise only every k iterations (each sample is a window's
         # mean), so that communication may overlap the next forward, as in training.
         window = max(1, int(os.environ.get("BENCH_WINDOW", "1")))
-        probe = (PhaseProbe(self.device, window)
+        probe = (PhaseProbe(window)
                  if self.cuda and os.environ.get("BENCH_PHASES") == "1" else None)
         for _ in range(self.iters):
             self.sync()
