@@ -771,6 +771,7 @@ class _Lane:
                 self.waiting_item, self.waiting_since = item, time.monotonic()
             self._wait(item)
             self._complete(item)
+            item = None       # not held while idle: a work may hold buffers (see _complete)
 
     def _wait(self, item: list) -> None:
         """Block (GIL released) until the item's collective finished on the device: on
@@ -852,6 +853,10 @@ class _Lane:
                     if not self.cuda:
                         finish_chunk(chunk)
                     chunk.staging = None      # kept alive until the device finished with it
+                    # A work can own buffers until it is destroyed (NCCL's flat output of a
+                    # list-form all-gather), and a request and its chunks reference each
+                    # other: kept here, it would live until the cycle collector ran.
+                    chunk.works = None
                     self.in_flight_bytes -= chunk.nbytes
                     req.remaining -= 1
                     if req.remaining == 0 and not self.cuda:

@@ -5,8 +5,10 @@ The collectives are replaced by works whose completion the test controls, on a o
 gloo group, so what the completion thread does is deterministic.
 """
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -111,3 +113,35 @@ def test_schedulers_left_open_are_closed_at_exit(world1):
     assert threads and all(t.is_alive() for t in threads)
     commsched.scheduler._close_at_exit()
     assert sched._closed and not any(t.is_alive() for t in threads)
+
+
+def test_completed_chunks_let_go_of_their_collectives(world1, monkeypatch):
+    # A collective's work may own buffers until it is destroyed (NCCL keeps the flat output
+    # of a list-form all-gather in it), and requests and chunks reference each other: a
+    # work a finished chunk still held would live until Python's cycle collector ran.
+    real, refs = commsched.scheduler.issue_step, []
+
+    def issue_step(chunk, step):
+        work = real(chunk, step)
+        refs.append(weakref.ref(work))
+        return work
+
+    monkeypatch.setattr(commsched.scheduler, "issue_step", issue_step)
+    gc.disable()                  # reference counting only
+    sched = Scheduler(Config(partition_bytes=1024))
+    try:
+        reqs = [sched.submit(torch.ones(1024), key=op, op=op)      # 4 chunks each
+                for op in ("all_reduce", "reduce_scatter", "all_gather")]
+        sched.end_iteration()
+        for req in reqs:
+            req.wait()
+        sched.drain()
+        deadline = time.monotonic() + 5
+        while any(r() is not None for r in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)      # the completion thread may still be returning
+        assert len(refs) == 12
+        assert len([r() for r in refs if r() is not None]) == 0
+        assert all(c.works is None for req in reqs for c in req.chunks)
+    finally:
+        gc.enable()
+        sched.close()
