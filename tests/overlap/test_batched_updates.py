@@ -5,6 +5,8 @@ gradient is the local one). Under test: overlap mode with one layer group per mo
 counting the real optimizer's step() calls. Single process (gloo, world size 1), bitwise.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -38,6 +40,18 @@ def _backward_both(ref, ref_opt, model, x):
 def _assert_same(ref, net):
     for a, b in zip(ref.parameters(), net.parameters()):
         assert torch.equal(a, b)
+
+
+@contextlib.contextmanager
+def _ends_like_the_reference(ref, net, model):
+    """Run the block; then every update drained, the model's parameters must equal the
+    reference's. The wrapped model is closed either way."""
+    try:
+        yield
+        drain(model)
+        _assert_same(ref, net)
+    finally:
+        model.close()
 
 
 def _wait_for_gradients(model):
@@ -94,7 +108,7 @@ def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
     ref_opt, inner = _adamw(ref.parameters()), _adamw(net.parameters())
     calls = _counted(inner)
     model, opt = wrap(net, inner, group_bytes=0)
-    try:
+    with _ends_like_the_reference(ref, net, model):
         assert len(model._engine.groups) == 3
         for step in range(3):
             _backward_both(ref, ref_opt, model, torch.randn(5, 4))
@@ -104,10 +118,6 @@ def test_step_after_every_gradient_arrived_is_one_optimizer_step(world1):
             assert calls[0] - before == 1
             opt.zero_grad()
             assert calls[0] - before == 1
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
@@ -118,17 +128,13 @@ def test_updates_pending_at_step_all_run_before_the_first_module_runs(world1):
     pending_at_first_module = []
     net[0].register_forward_pre_hook(lambda m, args: pending_at_first_module.append(
         sum(1 for g in model._engine.groups if g.actions)))
-    try:
+    with _ends_like_the_reference(ref, net, model):
         x = torch.randn(5, 4)
         _step_pending(ref, ref_opt, model, opt, x)
         assert calls[0] == 0 and all(g.actions for g in model._engine.groups)
         model(x)
         assert calls[0] == 1
         assert pending_at_first_module[-1] == 0
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 class _Running:
@@ -187,7 +193,7 @@ def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world
     # gradient came last) still runs; the others' updates must not queue behind it.
     ref, ref_opt, net, model, opt, steps = _stepped_pair()
     groups = model._engine.groups
-    try:
+    with _ends_like_the_reference(ref, net, model):
         for step in range(3):
             _backward_both(ref, ref_opt, model, torch.randn(5, 4))
             _wait_for_gradients(model)
@@ -198,10 +204,6 @@ def test_updates_issued_before_a_running_collective_go_in_a_step_before_it(world
             opt.step()
             assert steps == [_ids(groups[1:]), _ids(groups[:1])]
             opt.zero_grad()
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 def test_step_leaves_running_groups_issued_after_the_first_layers_to_their_forward(world1):
@@ -211,7 +213,7 @@ def test_step_leaves_running_groups_issued_after_the_first_layers_to_their_forwa
     # module's forward pre-hook instead.
     ref, ref_opt, net, model, opt, steps = _stepped_pair()
     groups = model._engine.groups
-    try:
+    with _ends_like_the_reference(ref, net, model):
         for step in range(3):
             x = torch.randn(5, 4)
             _backward_both(ref, ref_opt, model, x)
@@ -224,10 +226,6 @@ def test_step_leaves_running_groups_issued_after_the_first_layers_to_their_forwa
             assert groups[1].actions and not groups[0].actions and not groups[2].actions
             model(x)          # the forward pre-hook of groups[1]'s module
             assert steps[2:] == [_ids(groups[1:2])] and not groups[1].actions
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 def test_first_forward_hook_leaves_running_groups_issued_after_its_own(world1):
@@ -235,7 +233,7 @@ def test_first_forward_hook_leaves_running_groups_issued_after_its_own(world1):
     groups = model._engine.groups
     seen = []
     net[1].register_forward_pre_hook(lambda m, args: seen.append(list(steps)))
-    try:
+    with _ends_like_the_reference(ref, net, model):
         x = torch.randn(5, 4)
         _step_pending(ref, ref_opt, model, opt, x)
         _issued_after_the_first(groups, groups[0].request.request, groups[1].request.request)
@@ -245,16 +243,12 @@ def test_first_forward_hook_leaves_running_groups_issued_after_its_own(world1):
         # groups[1] only when its own module runs.
         assert seen == [[_ids(groups[2:]), _ids(groups[:1])]]
         assert steps == [_ids(groups[2:]), _ids(groups[:1]), _ids(groups[1:2])]
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(world1):
     ref, ref_opt, net, model, opt, steps = _stepped_pair()
     groups = model._engine.groups
-    try:
+    with _ends_like_the_reference(ref, net, model):
         x = torch.randn(5, 4)
         _step_pending(ref, ref_opt, model, opt, x)
         assert steps == []
@@ -263,10 +257,6 @@ def test_first_forward_hook_updates_groups_issued_before_its_running_one_first(w
         groups[2].request.request.issue_seq = groups[0].request.issue_seq + 1
         model(x)
         assert steps == [_ids(groups[1:2]), _ids(groups[0:1] + groups[2:])]
-        drain(model)
-        _assert_same(ref, net)
-    finally:
-        model.close()
 
 
 def test_sparse_gradients_match_the_plain_optimizer(world1):
