@@ -38,6 +38,7 @@ import faulthandler
 import gc
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -728,6 +729,10 @@ def assign_buckets(sizes: List[int], first_cap: int, cap: int) -> List[int]:
 # Running the modes of a workload (inside each worker)
 # ---------------------------------------------------------------------------------------
 
+# BENCH_MEMORY: allocation events kept per mode; older ones are overwritten. GPT at the
+# default size allocates a few thousand blocks per iteration.
+MEMORY_HISTORY_ENTRIES = 1_000_000
+
 RESULT_KEYS = ("median_ms", "mean_ms", "p10_ms", "p90_ms", "min_ms", "max_ms")
 
 
@@ -741,6 +746,29 @@ def empty_result(mode: Mode, status: str, reason: Optional[str]) -> Dict[str, An
     return result
 
 
+def start_memory_history(bench: Bench) -> int:
+    """``BENCH_MEMORY=DIR``: record every allocation of the mode (Python stacks), for
+    ``memory_peak.py``. Returns the bytes already allocated, which have no history."""
+    torch.cuda.synchronize(bench.device)
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                             max_entries=MEMORY_HISTORY_ENTRIES)
+    return torch.cuda.memory_allocated(bench.device)
+
+
+def dump_memory_history(bench: Bench, directory: Path, baseline: int) -> None:
+    """Write the mode's history to ``DIR/<regime>_<mode>_rank<r>.pickle`` and stop
+    recording. The snapshot is taken while the mode's objects may still be alive, before
+    the collection that ends the mode."""
+    directory.mkdir(parents=True, exist_ok=True)
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot["baseline_bytes"] = baseline
+    snapshot["device"] = torch.device(bench.device).index or 0
+    path = directory / f"{bench.regime}_{bench.mode_name}_rank{bench.rank}.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+
+
 def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     """Run one mode on this rank; failures become an "error" result. The ranks then agree
     on the outcome, so that a mode failed on either rank is reported failed."""
@@ -752,6 +780,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     bench.cpu_ms = None
     bench.phases = bench.threads = None
     bench.mode_name = mode.name
+    memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None
+    baseline = start_memory_history(bench) if memory_dir else 0
     try:
         measured = mode.run(bench)
         result = empty_result(mode, "ok", None)
@@ -775,6 +805,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
         result["traceback"] = text[-4000:]
         del exc
+    if memory_dir:
+        dump_memory_history(bench, Path(memory_dir), baseline)
     gc.collect()
     peak = torch.cuda.max_memory_allocated(bench.device) if bench.cuda else 0
     if bench.cuda:
