@@ -325,8 +325,7 @@ class OverlapEngine:
         if g.all_used:
             g.flags.fill_(1)
         else:
-            used = self.used[g.first:g.first + len(g.params)]
-            g.flags.copy_(torch.tensor(used, dtype=g.dtype))
+            copy_flags(g.flags, self.used[g.first:g.first + len(g.params)])
         g.request = self.scheduler.submit(g.buffer, key=g.index, priority=g.index,
                                           group=self.reduce_group, average=True,
                                           decompose="none")
@@ -680,6 +679,19 @@ def _issue_order(group: LayerGroup) -> float:
     if req is None:
         return -1
     return math.inf if req.issue_seq is None else req.issue_seq
+
+
+def copy_flags(dst: torch.Tensor, values: List[bool]) -> None:
+    """``dst[:] = values`` (1 or 0) without making the host wait for the device: all true
+    is a fill; otherwise a copy from pinned memory queued on the stream (the caching host
+    allocator keeps that memory until the copy ran). A copy from pageable memory would
+    synchronise the stream, i.e. wait for every kernel queued so far."""
+    if all(values):
+        dst.fill_(1)
+    elif dst.is_cuda:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype, pin_memory=True), non_blocking=True)
+    else:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype))
 
 
 def _bind(fn, first):

@@ -24,11 +24,11 @@ RMSprop, Adagrad, ...): a shard is a slice of a parameter.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
-from .engine import OverlapEngine, sibling_group
+from .engine import OverlapEngine, copy_flags, sibling_group
 from .groups import LayerGroup
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot, step_subset
 
@@ -133,7 +133,7 @@ class ZeroEngine(OverlapEngine):
         g.grads_full = False
 
     def _end_iteration(self) -> None:
-        self.used_buf.copy_(torch.tensor(self.used, dtype=torch.float32))
+        copy_flags(self.used_buf, self.used)
         self._used_cache = None
         self.used_request = self.scheduler.submit(self.used_buf, key="used", priority=-1,
                                                   group=self.reduce_group)
@@ -156,20 +156,22 @@ class ZeroEngine(OverlapEngine):
         return self._used_cache
 
     # ---- update and all-gather ------------------------------------------------------------
-    def _update(self, g: LayerGroup, record: StepRecord) -> None:
-        if g.param_request is not None:     # the last all-gather still reads this shard
-            g.param_request.wait()
-            g.param_request = None
-        subsets = [(k, [piece for piece, j in pieces if g.params[j].grad is not None])
-                   for k, pieces in g.shard_params]
-        with self._update_context():
-            step_subset(self.optimizer, record, subsets)
-        g.needs_gather = True
-
     def _run_updates(self, record: StepRecord, groups: List[LayerGroup]) -> None:
-        # One step per group: each group's all-gather goes as soon as its update ran.
+        """One optimizer step over this rank's shards of ``groups``; their all-gathers are
+        submitted after it (_advance)."""
+        by_k: Dict[int, list] = {}
         for g in groups:
-            self._update(g, record)
+            if g.param_request is not None:     # the last all-gather still reads this shard
+                g.param_request.wait()
+                g.param_request = None
+            for k, pieces in g.shard_params:
+                subset = by_k.get(k)
+                if subset is None:
+                    subset = by_k[k] = []
+                subset.extend([piece for piece, j in pieces if g.params[j].grad is not None])
+            g.needs_gather = True
+        with self._update_context():
+            step_subset(self.optimizer, record, sorted(by_k.items()))
 
     def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
         super()._zero(g, set_to_none)
@@ -182,19 +184,34 @@ class ZeroEngine(OverlapEngine):
 
     def _advance(self, block_upto: int, upto: Optional[int] = None) -> None:
         """Move the all-gather cursor: groups <= block_upto wait for their gradients;
-        groups up to ``upto`` (default: all) go only if their gradients are already in."""
+        groups up to ``upto`` (default: all) go only if their gradients are already in.
+
+        The groups that can go are updated together, so that step() pays the optimizer's
+        fixed cost per call (~0.3-0.5 ms of Python for AdamW) twice, not once per group:
+        the round's first group alone, its all-gather (the one the next forward waits for
+        first) submitted right after its update, then every other ready group in one step
+        and their all-gathers in forward order."""
         last = len(self.groups) - 1 if upto is None else min(upto, len(self.groups) - 1)
-        while self._round and self._ag_next <= last:
-            g = self.groups[self._ag_next]
+        ready = []
+        i = self._ag_next
+        while self._round and i <= last:
+            g = self.groups[i]
             if g.index > block_upto and g.request is not None and not g.request.future.done():
-                return
-            self._settle(g)
-            if g.needs_gather:
-                g.needs_gather = False
-                g.param_request = self.scheduler.submit(
-                    g.param_buffer, key=("ag", g.index), priority=g.index, op="all_gather",
-                    group=self.gather_group)
-            self._ag_next += 1
+                break
+            ready.append(g)
+            i += 1
+        if ready:
+            split = 1 if self._ag_next == 0 else 0
+            for batch in (ready[:split], ready[split:]):
+                if batch:
+                    self._settle_batch(batch)
+                    for g in batch:
+                        if g.needs_gather:
+                            g.needs_gather = False
+                            g.param_request = self.scheduler.submit(
+                                g.param_buffer, key=("ag", g.index), priority=g.index,
+                                op="all_gather", group=self.gather_group)
+            self._ag_next = i
         if self._round and self._ag_next == len(self.groups):
             self._round = False
             self.scheduler.end_iteration(self.gather_group)

@@ -218,6 +218,53 @@ def _wrap_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+class PartlyUsed(Net):
+    """A layer that only rank 0 uses: every iteration, rank 1 reduces usage flags that are
+    not all set (copied from host memory to the device, in both variants of the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(512, 512)
+
+    def forward(self, x):
+        if dist.get_rank() == 0:
+            x = self.extra(x)
+        return self.layers(x)
+
+
+def _train_partly_used(rank, decompose=None, steps=6):
+    torch.manual_seed(0)
+    model = PartlyUsed().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if decompose is None:
+        model = DDP(model, device_ids=[rank], find_unused_parameters=True)
+    else:
+        model, opt = commsched.wrap(model, opt, commsched.Config(decompose=decompose),
+                                    group_bytes=0)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    for _ in range(steps):
+        loss = model(torch.randn(32, 512, device="cuda", generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if decompose is not None:
+        commsched.drain(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    if decompose is not None:
+        model.close()
+    return params
+
+
+def _unused_vs_stock_ddp(rank, world, port):
+    _init(rank, world, port)
+    ref = _train_partly_used(rank)
+    for decompose in ("none", "rs_ag"):
+        got = _train_partly_used(rank, decompose)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (decompose, (a - b).abs().max().item())
+    dist.destroy_process_group()
+
+
 def _spawn(fn, timeout=300):
     ctx = mp.start_processes(fn, args=(2, free_port()), nprocs=2, join=False,
                              start_method="spawn")
@@ -247,3 +294,7 @@ def test_hook_equals_stock_ddp_nccl():
 
 def test_data_parallel_mode_equals_stock_ddp_nccl():
     _spawn(_wrap_vs_stock_ddp)
+
+
+def test_data_parallel_mode_with_a_parameter_unused_on_one_rank_equals_stock_ddp_nccl():
+    _spawn(_unused_vs_stock_ddp)
