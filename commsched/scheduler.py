@@ -321,9 +321,10 @@ class _Lane:
         self.current = it
         return it
 
-    def end_iteration(self, wait_dispatched: bool) -> Optional[IterationRecord]:
+    def end_iteration(self, wait_dispatched: bool,
+                      wait_taken: bool = True) -> Optional[IterationRecord]:
         if self.inbox is not None:
-            return self._post_end(wait_dispatched)
+            return self._post_end(wait_dispatched, wait_taken)
         with self.lock:
             record = self._close_iteration(time.time_ns())
             if record is None:
@@ -380,16 +381,24 @@ class _Lane:
             self.inbox.append(item)
             self.inbox_ready.notify()
 
-    def _post_end(self, wait_dispatched: bool) -> Optional[IterationRecord]:
+    def _post_end(self, wait_dispatched: bool,
+                  wait_taken: bool = True) -> Optional[IterationRecord]:
         """Queue the end of the open iteration and wait until the dispatch thread took it
         in: requests and their iteration then reach the lane in the same order, relative
         to the caller's own calls, as inline (a plan exchange of the next iteration cannot
-        come after a collective the caller issues once its iteration ended)."""
+        come after a collective the caller issues once its iteration ended). The dispatch
+        thread takes it in once it dispatched what was queued before it, so the wait
+        lasts as long as issuing those collectives; ``wait_taken=False`` skips it (and
+        returns no record)."""
         if not self.caller_keys:
             return None
+        if self.failure is not None:
+            raise self.failure
         self.caller_keys = set()
         end = _End(time.time_ns())
         self._enqueue(end)
+        if not wait_taken and not wait_dispatched:
+            return None
         end.taken.wait()
         record = end.record
         with self.lock:
@@ -1126,17 +1135,25 @@ class Scheduler:
                                                 verify=False)
         self._lane(group, torch.device(device), ("set_fifo",))
 
-    def end_iteration(self, group=None, wait_dispatched: bool = False
-                      ) -> Optional[IterationRecord]:
+    def end_iteration(self, group=None, wait_dispatched: bool = False,
+                      private: bool = False) -> Optional[IterationRecord]:
         """No more requests on ``group`` this iteration: what is left may be dispatched,
-        and the iteration's layout decides whether the next one gets a new plan.
+        and the iteration's layout decides whether the next one gets a new plan. Returns
+        the iteration's record.
 
         ``wait_dispatched``: return only once every collective of the iteration has been
         issued (waiting for credit as needed), so that a collective the caller issues on
         the same group afterwards comes after them on every rank.
+
+        ``private``: the caller issues no collectives of its own on ``group`` (only
+        through this scheduler), so nothing needs ordering against the lane's next plan
+        exchange: with a dispatch thread, return at once instead of once the thread took
+        the end in, i.e. once it issued what was queued before (returns None then).
+        A failure surfaces at the next call.
         """
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
-        return None if lane is None else lane.end_iteration(wait_dispatched)
+        return None if lane is None else lane.end_iteration(wait_dispatched,
+                                                            wait_taken=not private)
 
     def drain(self, timeout: Optional[float] = None) -> None:
         """End every lane's iteration and block until all its collectives completed."""

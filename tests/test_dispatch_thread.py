@@ -72,6 +72,38 @@ def test_end_iteration_waits_for_the_dispatch_thread(world1, issuers):
     sched.close()
 
 
+def test_private_end_does_not_wait_for_the_dispatch_thread(world1, issuers):
+    """private=True: end_iteration() returns (None) while the dispatch thread is still
+    busy; the iteration still ends there, results and records are those of a waited end."""
+    seen, _ = issuers
+    sched = Scheduler(_config("thread"))
+    sched.submit(torch.ones(1000), key="first")          # creates the lane
+    assert sched.end_iteration(wait_dispatched=True).iteration == 0
+    lane = next(iter(sched._lanes.values()))
+    issued = len(seen)
+    returned = threading.Event()
+    with lane.lock:                      # the dispatch thread cannot take anything in
+        reqs = [sched.submit(torch.full((1000,), float(k)), key=k) for k in range(3)]
+        caller = threading.Thread(
+            target=lambda: (sched.end_iteration(private=True), returned.set()), daemon=True)
+        caller.start()
+        assert returned.wait(10), "a private end waited for the dispatch thread"
+        assert len(seen) == issued       # nothing of this iteration issued yet
+    for k, req in enumerate(reqs):
+        assert torch.equal(req.wait(), torch.full((1000,), float(k)))
+        assert req.iteration == 1
+    # The next iteration is a new one: same keys accepted, records numbered on.
+    reqs = [sched.submit(torch.ones(1000), key=k) for k in range(3)]
+    record = sched.end_iteration(wait_dispatched=True)
+    assert record.iteration == 2 and record.requests == 3
+    assert sched.last_iteration(None).iteration == 2
+    assert sched.end_iteration(private=True) is None      # nothing submitted since
+    for req in reqs:
+        req.wait()
+    assert len(seen) == issued + 2 * 3 * 16
+    sched.close()
+
+
 def test_duplicate_key_is_rejected_at_submission(world1):
     sched = Scheduler(_config("thread"))
     sched.submit(torch.ones(10), key="w")

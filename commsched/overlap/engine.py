@@ -332,7 +332,7 @@ class OverlapEngine:
         g.submitted_iter = self._bw_iter
 
     def _end_iteration(self) -> None:
-        self.scheduler.end_iteration(self.reduce_group)
+        self.scheduler.end_iteration(self.reduce_group, private=True)
         self._iter += 1
 
     # ---- forward (training thread) --------------------------------------------------------

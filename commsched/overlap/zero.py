@@ -214,7 +214,7 @@ class ZeroEngine(OverlapEngine):
             self._ag_next = i
         if self._round and self._ag_next == len(self.groups):
             self._round = False
-            self.scheduler.end_iteration(self.gather_group)
+            self.scheduler.end_iteration(self.gather_group, private=True)
 
     def _finish_round(self) -> None:
         if self._round:
@@ -287,7 +287,7 @@ class ZeroEngine(OverlapEngine):
                     op="all_gather", group=self.gather_group))
                 g.grads_full = True
                 g.consistent = True
-        self.scheduler.end_iteration(self.gather_group)
+        self.scheduler.end_iteration(self.gather_group, private=True)
         for req in gathers:
             req.wait()
 
