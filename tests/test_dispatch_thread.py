@@ -122,9 +122,13 @@ def test_failure_on_the_dispatch_thread_reaches_every_waiter(world1, issuers):
     _, state = issuers
     state["fail_on"] = "bad"
     sched = Scheduler(_config("thread"))
-    sched.submit(torch.ones(10), key="good")
-    bad = sched.submit(torch.ones(10), key="bad")
-    later = sched.submit(torch.ones(10), key="later")
+    sched.submit(torch.ones(10), key="good")             # creates the lane
+    lane = next(iter(sched._lanes.values()))
+    # Held, the lane's lock keeps the dispatch thread from failing before "later" is
+    # queued (a submission after the failure raises it at once, tested below).
+    with lane.lock:
+        bad = sched.submit(torch.ones(10), key="bad")
+        later = sched.submit(torch.ones(10), key="later")
     with pytest.raises(RuntimeError, match="injected issue failure"):
         sched.end_iteration()
     for req in (bad, later):
