@@ -158,18 +158,24 @@ class Net(nn.Module):
         return self.layers(x)
 
 
+def _steps(model, opt, rank, steps):
+    """The training loop of every comparison here: rank-seeded inputs, a squared loss."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(rank)
+    for _ in range(steps):
+        loss = model(torch.randn(32, 512, device=device, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _train(config, kwargs, rank, steps=6):
     torch.manual_seed(0)
     ddp = DDP(Net().cuda(), device_ids=[rank], **kwargs)
     if config is not None:
         commsched.hooks.register(ddp, config)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    for _ in range(steps):
-        loss = ddp(torch.randn(32, 512, device="cuda", generator=gen)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(ddp, opt, rank, steps)
     return [p.detach().clone() for p in ddp.parameters()]
 
 
@@ -191,12 +197,7 @@ def _train_wrapped(config, group_bytes, rank, steps=6):
     model = Net().cuda()
     model, opt = commsched.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config,
                                 group_bytes=group_bytes)
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    for _ in range(steps):
-        loss = model(torch.randn(32, 512, device="cuda", generator=gen)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(model, opt, rank, steps)
     commsched.drain(model)
     params = [p.detach().clone() for p in model.parameters()]
     model.close()
@@ -241,12 +242,7 @@ def _train_partly_used(rank, decompose=None, steps=6):
     else:
         model, opt = commsched.wrap(model, opt, commsched.Config(decompose=decompose),
                                     group_bytes=0)
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    for _ in range(steps):
-        loss = model(torch.randn(32, 512, device="cuda", generator=gen)).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _steps(model, opt, rank, steps)
     if decompose is not None:
         commsched.drain(model)
     params = [p.detach().clone() for p in model.parameters()]
