@@ -308,9 +308,12 @@ def _plan_order(reqs, chunks, fifo_timeline: List[StepTiming], config: SimConfig
     seconds per byte it accumulates over its fifo warm-up (``LinkCost``: the time the link
     was busy with the steps, in issue order)."""
     cost = LinkCost()
+    counted = set()
     for s in sorted(fifo_timeline, key=lambda s: s.dispatch_s):
-        cost.add(round(s.start_s * 1e9), round(s.end_s * 1e9))
-    cost.nbytes = sum(sum(sizes) for sizes in chunks)
+        chunk = (s.key, s.chunk)        # a chunk's bytes count once, whatever its steps
+        cost.add(round(s.start_s * 1e9), round(s.end_s * 1e9),
+                 0 if chunk in counted else s.nbytes)
+        counted.add(chunk)
     seconds_per_byte = cost.seconds_per_byte
     profile = [RequestProfile(i, r.priority, r.dispatchable_s, chunks[i])
                for i, r in enumerate(reqs)]
