@@ -381,8 +381,7 @@ class _Lane:
             self.inbox.append(item)
             self.inbox_ready.notify()
 
-    def _post_end(self, wait_dispatched: bool,
-                  wait_taken: bool = True) -> Optional[IterationRecord]:
+    def _post_end(self, wait_dispatched: bool, wait_taken: bool) -> Optional[IterationRecord]:
         """Queue the end of the open iteration and wait until the dispatch thread took it
         in: requests and their iteration then reach the lane in the same order, relative
         to the caller's own calls, as inline (a plan exchange of the next iteration cannot

@@ -464,13 +464,18 @@ class OverlapEngine:
     def _run_updates(self, record: StepRecord, groups: List[LayerGroup]) -> None:
         """One optimizer step over the owned parameters of ``groups`` that have a
         gradient, with the hyper-parameters of ``record``."""
+        self._step_merged(record, ((k, [p for p in params if p.grad is not None])
+                                   for g in groups for k, params in g.opt_params))
+
+    def _step_merged(self, record: StepRecord, subsets) -> None:
+        """One optimizer step over (param group index, tensors) pairs, those of one index
+        merged, with the hyper-parameters of ``record``."""
         by_k: Dict[int, list] = {}
-        for g in groups:
-            for k, params in g.opt_params:
-                subset = by_k.get(k)
-                if subset is None:
-                    subset = by_k[k] = []
-                subset.extend([p for p in params if p.grad is not None])
+        for k, tensors in subsets:
+            subset = by_k.get(k)
+            if subset is None:
+                subset = by_k[k] = []
+            subset.extend(tensors)
         with self._update_context():
             step_subset(self.optimizer, record, sorted(by_k.items()))
 

@@ -24,13 +24,13 @@ RMSprop, Adagrad, ...): a shard is a slice of a parameter.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 from .engine import OverlapEngine, copy_flags, sibling_group
 from .groups import LayerGroup
-from .update import PER_GROUP, StepRecord, is_elementwise, snapshot, step_subset
+from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
 __all__ = ["ZeroEngine"]
 
@@ -159,19 +159,14 @@ class ZeroEngine(OverlapEngine):
     def _run_updates(self, record: StepRecord, groups: List[LayerGroup]) -> None:
         """One optimizer step over this rank's shards of ``groups``; their all-gathers are
         submitted after it (_advance)."""
-        by_k: Dict[int, list] = {}
         for g in groups:
             if g.param_request is not None:     # the last all-gather still reads this shard
                 g.param_request.wait()
                 g.param_request = None
-            for k, pieces in g.shard_params:
-                subset = by_k.get(k)
-                if subset is None:
-                    subset = by_k[k] = []
-                subset.extend([piece for piece, j in pieces if g.params[j].grad is not None])
             g.needs_gather = True
-        with self._update_context():
-            step_subset(self.optimizer, record, sorted(by_k.items()))
+        self._step_merged(record, ((k, [piece for piece, j in pieces
+                                        if g.params[j].grad is not None])
+                                   for g in groups for k, pieces in g.shard_params))
 
     def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
         super()._zero(g, set_to_none)
