@@ -948,6 +948,7 @@ class _Lane:
         # After a failure the completion thread may be stuck in a collective that will
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
+        self.watchdog.join(timeout=1)      # (wakes at `stopping`)
 
 
 def _settle_future(future, value=None, error: Optional[BaseException] = None) -> None:

@@ -103,13 +103,13 @@ def test_only_a_wait_times_out_and_the_error_names_its_chunk(world1, works):
 
 
 def test_schedulers_left_open_are_closed_at_exit(world1):
-    """At exit every open scheduler's completion threads are joined, so none is inside a
-    torch call when the interpreter finalizes (which aborts the process)."""
+    """At exit every open scheduler's threads are joined, so none is inside a torch call
+    when the interpreter finalizes (which aborts the process)."""
     sched = Scheduler(Config(partition_bytes=1024, credit_bytes=0, policy="fifo"))
     req = sched.submit(torch.ones(1024), key="a")
     sched.end_iteration()
     req.wait()
-    threads = [lane.thread for lane in sched._lanes.values()]
+    threads = [t for lane in sched._lanes.values() for t in (lane.thread, lane.watchdog)]
     assert threads and all(t.is_alive() for t in threads)
     commsched.scheduler._close_at_exit()
     assert sched._closed and not any(t.is_alive() for t in threads)
