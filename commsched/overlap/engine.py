@@ -32,6 +32,7 @@ rank used keeps its gradient untouched (None after zero_grad(), so the optimizer
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from typing import Dict, List, Optional
@@ -171,13 +172,16 @@ class OverlapEngine:
                 self.local.append((k, extra))
 
     def _register_hooks(self, module_groups) -> None:
+        # (functools.partial: called from C, with no Python frame of its own)
+        bind = functools.partial
         for i, p in enumerate(self.params):
-            self._hooks.append(p.register_hook(_bind(self._grad_pre_hook, i)))
-            self._hooks.append(p.register_post_accumulate_grad_hook(_bind(self._grad_post_hook, i)))
+            self._hooks.append(p.register_hook(bind(self._grad_pre_hook, i)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                bind(self._grad_post_hook, i)))
         for m, idx in module_groups.items():
             groups = [self.groups[k] for k in idx]
             self._hooks.append(m.register_forward_pre_hook(
-                _bind(self._forward_pre_hook, groups), prepend=True))
+                bind(self._forward_pre_hook, groups), prepend=True))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -697,12 +701,6 @@ def copy_flags(dst: torch.Tensor, values: List[bool]) -> None:
         dst.copy_(torch.tensor(values, dtype=dst.dtype, pin_memory=True), non_blocking=True)
     else:
         dst.copy_(torch.tensor(values, dtype=dst.dtype))
-
-
-def _bind(fn, first):
-    def bound(*args):
-        return fn(first, *args)
-    return bound
 
 
 def _plain():
