@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from .config import Config, ConfigError
+from .workers import exit_worker
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -79,6 +80,7 @@ def _worker(rank: int, world: int, port: int, args, config: Config) -> None:
     state.close()
     dist.barrier()
     dist.destroy_process_group()
+    exit_worker()
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -7,16 +7,16 @@ CI's time budget.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from commsched.workers import exit_worker
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -42,20 +42,10 @@ def _entry(rank, fn, world_size, port, args, env):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    _exit_after_success()
-
-
-def _exit_after_success() -> None:
-    """End a worker whose function and teardown succeeded: exit handlers run (they close
-    open schedulers and telemetry), then the process ends without finalizing the
-    interpreter. Finalization only destroys torch's C++ objects, and on rare occasions a
-    finished rank aborted there ("terminate called without an active exception"), failing
-    a test whose checks had all passed. Closing at exit is tested on its own
-    (test_completion.py)."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # A worker that succeeded ends without finalizing the interpreter (see
+    # commsched/workers.py); closing schedulers at exit is tested on its own
+    # (test_completion.py).
+    exit_worker()
 
 
 def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, env=None):

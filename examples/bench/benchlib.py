@@ -285,6 +285,17 @@ def import_commsched():
         raise ModeUnavailable(f"commsched is not importable: {exc!r}") from None
 
 
+def end_worker() -> None:
+    """End a spawned worker whose work is done without finalizing the interpreter
+    (``commsched.workers.exit_worker``: a gloo thread may otherwise abort the finished
+    process); without commsched the worker returns and exits as usual."""
+    try:
+        from commsched.workers import exit_worker
+    except ImportError:
+        return
+    exit_worker()
+
+
 def import_commsched_hooks():
     """``commsched.hooks``, or :class:`ModeUnavailable` saying why not.
 
