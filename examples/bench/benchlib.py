@@ -100,10 +100,11 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
 
     A worker that raises or dies ends the group (torch terminates the others). A group
     still running after ``timeout_s`` seconds (a hung collective) is terminated, so that
-    the caller can still report what was measured before the hang.
+    the caller can still report what was measured before the hang. A worker whose ``fn``
+    returned ends without finalizing the interpreter (see ``_worker``).
     """
     start = time.monotonic()
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+    context = mp.start_processes(_worker, args=(fn, *args), nprocs=nprocs, join=False,
                                  start_method="spawn")
     try:
         while not context.join(timeout=1.0):
@@ -120,6 +121,19 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
     except mp.ProcessExitedException as exc:
         return LaunchOutcome(False, f"worker died: {exc}", time.monotonic() - start)
     return LaunchOutcome(True, None, time.monotonic() - start)
+
+
+def _worker(rank: int, fn: Callable, *args) -> None:
+    """A spawned worker: ``fn(rank, *args)``, then, if it returned, the end of the process
+    without finalizing the interpreter (``commsched.workers.exit_worker``: a gloo thread
+    may otherwise abort the finished process). Without commsched the worker exits as
+    usual."""
+    fn(rank, *args)
+    try:
+        from commsched.workers import exit_worker
+    except ImportError:
+        return
+    exit_worker()
 
 
 def _terminate(processes: Iterable) -> None:
@@ -283,17 +297,6 @@ def import_commsched():
         return importlib.import_module("commsched")
     except Exception as exc:  # noqa: BLE001
         raise ModeUnavailable(f"commsched is not importable: {exc!r}") from None
-
-
-def end_worker() -> None:
-    """End a spawned worker whose work is done without finalizing the interpreter
-    (``commsched.workers.exit_worker``: a gloo thread may otherwise abort the finished
-    process); without commsched the worker returns and exits as usual."""
-    try:
-        from commsched.workers import exit_worker
-    except ImportError:
-        return
-    exit_worker()
 
 
 def import_commsched_hooks():

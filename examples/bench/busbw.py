@@ -427,7 +427,6 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
     finally:
         worker.links.close()
         dist.destroy_process_group()
-    benchlib.end_worker()
 
 
 # ---------------------------------------------------------------------------------------

@@ -985,7 +985,6 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                 benchlib.write_json(Path(spec.result_path), doc)
     finally:
         dist.destroy_process_group()
-    benchlib.end_worker()
 
 
 # ---------------------------------------------------------------------------------------

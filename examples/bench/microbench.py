@@ -338,7 +338,6 @@ def worker(rank: int, settings: Settings) -> None:
             benchlib.write_json(Path(settings.result_path), doc)
     finally:
         dist.destroy_process_group()
-    benchlib.end_worker()
 
 
 def _row_note(row: Dict[str, Any]) -> Optional[str]:
