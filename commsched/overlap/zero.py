@@ -8,15 +8,26 @@ own group's all-gather:
 
   group buffer (W = 2)     [ shard 0            | shard 1            ]
   backward                 reduce_scatter: rank r receives the average of shard r
-  step / next forward      rank r: optimizer on shard r (params are views of a flat
+  next forward (1st hook)  rank r: optimizer on shard r (params are views of a flat
                            parameter buffer), then all_gather -> every rank has all shards
   forward pre-hook of g    wait all_gather(g)   (and start g+1's if its update is done)
 
 Invariant 1: per iteration every rank submits reduce_scatter(G-1 .. 0), then one small
-all-reduce of the per-parameter usage flags ("used"), then — after step() — the
+all-reduce of the per-parameter usage flags ("used"), then — from the next forward — the
 all-gathers strictly in ascending group order (a cursor; a group's all-gather waits for
 its lower neighbours'), and all of a step's all-gathers before the next iteration's first
 reduce-scatter. Only timing differs between ranks.
+
+Invariant 2: nothing is submitted from step() or zero_grad(). The updates and all-gathers
+of a step start at the first forward pre-hook after it (or at drain(), a state_dict() or
+the next backward), at the same point of the program on every rank. Which all-gathers a
+rank submits at a given pre-hook depends on when its reduce-scatters completed, so if
+step() submitted those that were ready, one rank could leave step() with all-gathers
+issued that the other issues only in its next forward: a device synchronisation or a
+barrier between step() and that forward (a timing loop, a checkpoint) would then wait on
+the first rank for a collective the second never reaches, a deadlock. What is in flight
+when step() returns (the reduce-scatters) is issued by the lanes without the training
+thread, on every rank.
 
 Requires an optimizer whose update is elementwise within a parameter (SGD, Adam(W),
 RMSprop, Adagrad, ...): a shard is a slice of a parameter.
@@ -28,7 +39,7 @@ from typing import List, Optional
 
 import torch
 
-from .engine import OverlapEngine, copy_flags, sibling_group
+from .engine import _UPDATE, _ZERO, OverlapEngine, copy_flags, sibling_group
 from .groups import LayerGroup
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
@@ -181,9 +192,9 @@ class ZeroEngine(OverlapEngine):
         """Move the all-gather cursor: groups <= block_upto wait for their gradients;
         groups up to ``upto`` (default: all) go only if their gradients are already in.
 
-        The groups that can go are updated together, so that step() pays the optimizer's
+        The groups that can go are updated together, so that a round pays the optimizer's
         fixed cost per call (~0.3-0.5 ms of Python for AdamW) twice, not once per group:
-        the round's first group alone, its all-gather (the one the next forward waits for
+        the round's first group alone, its all-gather (the one the forward waits for
         first) submitted right after its update, then every other ready group in one step
         and their all-gathers in forward order."""
         last = len(self.groups) - 1 if upto is None else min(upto, len(self.groups) - 1)
@@ -220,7 +231,10 @@ class ZeroEngine(OverlapEngine):
             if self._bw and g.submitted_iter == self._bw_iter:
                 continue
             if self._round and self._ag_next <= g.index:
-                self._advance(block_upto=g.index, upto=g.index + 1)
+                # The round's first call takes every group that is ready (see _advance);
+                # later ones the group the forward reached and the next one.
+                self._advance(block_upto=g.index,
+                              upto=None if self._ag_next == 0 else g.index + 1)
             elif g.actions and (g.request is None or g.request.future.done()):
                 self._settle(g)
             if g.param_request is not None:
@@ -241,10 +255,15 @@ class ZeroEngine(OverlapEngine):
         self._finish_round()
         record = snapshot(self.optimizer.param_groups, kwargs)
         for g in self.groups:
-            g.actions.append(("update", record))
-        self._round, self._ag_next = True, 0
-        self._advance(block_upto=-1)
+            g.actions.append((_UPDATE, record))
+        self._round, self._ag_next = True, 0      # started by the next forward (Invariant 2)
         self._recorder_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Queued behind the pending update of every group, and run with it (the optimizer
+        holds only the model's parameters here: there are no others to zero now)."""
+        for g in self.groups:
+            g.actions.append((_ZERO, set_to_none))
 
     def drain(self) -> None:
         self._finish_backward()

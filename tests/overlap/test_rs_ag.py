@@ -38,3 +38,75 @@ def test_rs_ag_four_ranks_equal_to_ddp_within_rounding(four_ranks):
 def test_rs_ag_clip_and_scaler_warn_once(two_ranks):
     for name in ("rs_ag_clip", "rs_ag_grad_scaler"):
         assert [row["warnings"] for row in two_ranks[name]["ranks"]] == [1, 1]
+
+
+def _log_submissions(rank, world_size, out_dir):
+    """Train a few steps under rs_ag, one rank pausing after backward (its reduce-scatters
+    complete before step(), the other's not); log each submission with the part of the
+    training loop it came from."""
+    import json
+    import os
+    import time
+
+    import torch
+    import torch.nn as nn
+
+    import commsched
+    from commsched.overlap import drain, wrap
+    from commsched.scheduler import Scheduler
+
+    phase = ["wrap"]
+    log = []
+
+    class Recording(Scheduler):
+        def submit(self, tensor, **kwargs):
+            log.append([phase[0], repr(kwargs["key"])])
+            return super().submit(tensor, **kwargs)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                        nn.Linear(16, 4))
+    config = commsched.Config(decompose="rs_ag")
+    model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), config,
+                      group_bytes=0, scheduler=Recording(config, owns_groups=True))
+    try:
+        for step in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * step + rank))
+            phase[0] = "forward"
+            loss = model(x).square().mean()
+            phase[0] = "backward"
+            loss.backward()
+            if (step + rank) % 2:
+                time.sleep(0.05)
+            phase[0] = "step"
+            opt.step()
+            phase[0] = "zero_grad"
+            opt.zero_grad()
+        phase[0] = "drain"
+        drain(model)
+    finally:
+        model.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(log, f)
+
+
+def test_rs_ag_submits_nothing_from_step_or_zero_grad(tmp_path):
+    """All-gathers start at the next forward on every rank, whatever the timing: had step()
+    submitted those whose reduce-scatter was done, a rank could leave step() with
+    all-gathers in flight that its peer issues only in its next forward, and a device
+    synchronisation or a barrier in between (a timing loop, a checkpoint) would hang."""
+    import json
+
+    from distributed import run_workers
+
+    run_workers(_log_submissions, 2, str(tmp_path), timeout=90)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for log in logs:
+        assert not [e for e in log if e[0] in ("step", "zero_grad")], log
+        # 3 layer groups: per step 3 reduce-scatters + the usage flags in backward, the
+        # 3 all-gathers of the last step's update in the next forward (or in drain())
+        assert [e[0] for e in log].count("backward") == 6 * 4, log
+        assert [e for e in log if e[0] in ("forward", "drain")] == (
+            [["forward", repr(("ag", g))] for _ in range(5) for g in range(3)]
+            + [["drain", repr(("ag", g))] for g in range(3)]), log
+    assert logs[0] == logs[1]
