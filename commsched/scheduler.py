@@ -1038,7 +1038,8 @@ class Scheduler:
     def submit(self, tensor: torch.Tensor, *, key: Hashable, priority: int = 0,
                op: str = "all_reduce", group=None, average: bool = False,
                scale: Optional[float] = None, reduce_op=dist.ReduceOp.SUM,
-               decompose: Optional[str] = None) -> Request:
+               decompose: Optional[str] = None,
+               partition_bytes: Optional[int] = None) -> Request:
         """Schedule a collective on the flat tensor ``tensor``, in place.
 
         ``key`` names the request within an iteration (stable across iterations, the same
@@ -1049,7 +1050,8 @@ class Scheduler:
         before the sum (DDP's semantics; on NCCL, for a sum over a power-of-two group in
         one step, the collective averages instead: ``ReduceOp.AVG``, the same values);
         ``scale`` multiplies before it. ``decompose``
-        overrides ``config.decompose`` for an all-reduce.
+        overrides ``config.decompose`` for an all-reduce; ``partition_bytes`` overrides
+        the lane's partition size for this request (0: one chunk).
         """
         if self._closed:
             raise SchedulerError("submit() on a closed Scheduler")
@@ -1058,6 +1060,10 @@ class Scheduler:
         if tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError(f"tensor: expected a flat contiguous tensor, got shape "
                              f"{tuple(tensor.shape)} (contiguous={tensor.is_contiguous()})")
+        if partition_bytes is not None and (isinstance(partition_bytes, bool)
+                                            or not isinstance(partition_bytes, int)
+                                            or partition_bytes < 0):
+            raise ValueError(f"partition_bytes={partition_bytes!r}: expected an int >= 0")
         group = group if group is not None else dist.group.WORLD
         lane = self._lanes.get(group) or self._lane(
             group, tensor.device, (repr(key), tensor.numel(), str(tensor.dtype), op))
@@ -1066,7 +1072,8 @@ class Scheduler:
                              f"{lane.name} were on {lane.device}")
         # autotune: the settings of the iteration this request joins (autotune.py)
         settings = lane.tuner.submit_settings() if lane.tuner is not None else lane.config
-        partition_bytes = settings.partition_bytes
+        if partition_bytes is None:
+            partition_bytes = settings.partition_bytes
         decompose = decompose if decompose is not None else settings.decompose
         if decompose not in DECOMPOSITIONS:
             raise ValueError(f"decompose={decompose!r}: expected one of "

@@ -214,4 +214,22 @@ def test_submit_rejects_bad_requests():
         sched.submit(torch.zeros(2, 2), key="x")
     with pytest.raises(ValueError, match="op="):
         sched.submit(torch.zeros(4), key="x", op="broadcast")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="partition_bytes="):
+            sched.submit(torch.zeros(4), key="x", partition_bytes=bad)
+    sched.close()
+
+
+def test_partition_bytes_of_one_request_overrides_the_lane(world1):
+    """submit(partition_bytes=...): 0 makes one chunk, a size cuts at that size; the
+    lane's own size applies to the other requests."""
+    sched = Scheduler(Config(partition_bytes=256, credit_bytes=0, policy="fifo"))
+    values = [torch.arange(1000, dtype=torch.float32) + k for k in range(3)]
+    reqs = [sched.submit(values[0].clone(), key="lane"),
+            sched.submit(values[1].clone(), key="whole", partition_bytes=0),
+            sched.submit(values[2].clone(), key="1000", partition_bytes=1000)]
+    sched.end_iteration()
+    assert [len(r.chunks) for r in reqs] == [16, 1, 4]     # 15 x 64 floats + 40
+    for req, expected in zip(reqs, values):
+        assert torch.equal(req.wait(), expected)        # one rank: the sum is the value
     sched.close()

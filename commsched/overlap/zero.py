@@ -45,6 +45,14 @@ from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
 __all__ = ["ZeroEngine"]
 
+# A layer group's reduce-scatter and all-gather go as one collective each, whatever the
+# partition size: a piece of every rank's shard is strided across the shards, so a
+# partitioned chunk needs the list form of the collective, for which NCCL allocates a flat
+# output of the chunk's full size and copies out of it, and which costs more Python to
+# issue. Whole, each is the single-tensor form, in place. The layer group size
+# (``group_bytes``) sets the collective size instead, as DDP's bucket size does.
+WHOLE = 0
+
 
 class ZeroEngine(OverlapEngine):
     """Overlap mode with reduce-scatter, a sharded optimizer update and all-gather."""
@@ -138,7 +146,7 @@ class ZeroEngine(OverlapEngine):
         self._prepare_submit(g)
         g.request = self.scheduler.submit(g.buffer, key=("rs", g.index), priority=g.index,
                                           op="reduce_scatter", group=self.reduce_group,
-                                          average=True)
+                                          average=True, partition_bytes=WHOLE)
         g.submitted_iter = self._bw_iter
         g.consistent = False
         g.grads_full = False
@@ -146,8 +154,9 @@ class ZeroEngine(OverlapEngine):
     def _end_iteration(self) -> None:
         copy_flags(self.used_buf, self.used)
         self._used_cache = None
+        # A few bytes: one all-reduce, not the lane's reduce-scatter + all-gather.
         self.used_request = self.scheduler.submit(self.used_buf, key="used", priority=-1,
-                                                  group=self.reduce_group)
+                                                  group=self.reduce_group, decompose="none")
         super()._end_iteration()
 
     def _after_comm(self, g: LayerGroup) -> None:
@@ -216,7 +225,8 @@ class ZeroEngine(OverlapEngine):
                             g.needs_gather = False
                             g.param_request = self.scheduler.submit(
                                 g.param_buffer, key=("ag", g.index), priority=g.index,
-                                op="all_gather", group=self.gather_group)
+                                op="all_gather", group=self.gather_group,
+                                partition_bytes=WHOLE)
             self._ag_next = i
         if self._round and self._ag_next == len(self.groups):
             self._round = False
@@ -298,7 +308,7 @@ class ZeroEngine(OverlapEngine):
             if not g.grads_full:
                 gathers.append(self.scheduler.submit(
                     g.buffer, key=("gather_grads", g.index), priority=g.index,
-                    op="all_gather", group=self.gather_group))
+                    op="all_gather", group=self.gather_group, partition_bytes=WHOLE))
                 g.grads_full = True
                 g.consistent = True
         self.scheduler.end_iteration(self.gather_group, private=True)

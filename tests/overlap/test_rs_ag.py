@@ -110,3 +110,57 @@ def test_rs_ag_submits_nothing_from_step_or_zero_grad(tmp_path):
             [["forward", repr(("ag", g))] for _ in range(5) for g in range(3)]
             + [["drain", repr(("ag", g))] for g in range(3)]), log
     assert logs[0] == logs[1]
+
+
+def test_rs_ag_collectives_go_whole_in_the_single_tensor_form(world1, monkeypatch):
+    """Whatever the partition size, each layer group's reduce-scatter and all-gather is one
+    chunk, issued in the single-tensor form: a partitioned one would take the list form
+    (a flat copy of the chunk inside NCCL). Counted at the collectives module."""
+    import torch
+    import torch.nn as nn
+
+    import commsched
+    import commsched.collectives as collectives
+    from commsched.overlap import drain, wrap
+    from commsched.scheduler import Scheduler
+
+    calls = {"list": 0, "single": 0}
+
+    def counting(fn, form):
+        def wrapper(*args, **kwargs):
+            calls[form] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("all_gather", "reduce_scatter"):
+        monkeypatch.setattr(collectives.dist, name, counting(getattr(collectives.dist, name),
+                                                             "list"))
+    for name in ("_all_gather_single", "_reduce_scatter_single"):
+        monkeypatch.setattr(collectives, name, counting(getattr(collectives, name), "single"))
+
+    chunks = []
+
+    class Recording(Scheduler):
+        def submit(self, tensor, **kwargs):
+            req = super().submit(tensor, **kwargs)
+            if kwargs.get("op") in ("reduce_scatter", "all_gather"):
+                chunks.append(len(req.chunks))
+            return req
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    config = commsched.Config(decompose="rs_ag", partition_bytes=256, credit_bytes=1024)
+    model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), config,
+                      group_bytes=0, scheduler=Recording(config, owns_groups=True))
+    try:
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        drain(model)
+    finally:
+        model.close()
+    # 2 layer groups (2 KiB and 0.5 KiB of fp32): 3 reduce-scatters and 3 all-gathers each
+    assert chunks == [1] * 12, chunks
+    assert calls == {"list": 0, "single": 12}, calls
