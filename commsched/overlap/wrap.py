@@ -202,7 +202,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def drain(obj) -> None:
     """Complete all outstanding gradient communication and optimizer updates of a model
     (or optimizer) returned by :func:`wrap`: call before evaluating or checkpointing
-    outside a forward, and at the end of training.
+    outside a forward, and at the end of training. With ``rs_ag`` it all-gathers the
+    updated parameters, a collective: call it on every rank of the group.
 
     Example::
         model, optimizer = commsched.wrap(model, optimizer)
