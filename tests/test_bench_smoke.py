@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -313,3 +314,23 @@ def test_regime_environment_overrides_the_shell_and_keeps_nvls_off(monkeypatch, 
     harness.apply_regime_env(regime)
     for name, value in {**expected, "NCCL_NVLS_ENABLE": "0"}.items():
         assert os.environ.get(name) == value, name
+
+
+def _wait_forever(rank):
+    time.sleep(600)
+
+
+def test_a_hung_launch_prints_each_workers_stacks_before_it_is_terminated(capfd):
+    """A group still running at its timeout is terminated; each worker first dumps where
+    its threads were (faulthandler on benchlib.DUMP_SIGNAL), as a hung collective needs."""
+    import benchlib
+
+    if benchlib.DUMP_SIGNAL is None:
+        pytest.skip("no SIGUSR1 on this platform")
+    outcome = benchlib.launch(_wait_forever, (), nprocs=2, timeout_s=5)
+    assert not outcome.ok and outcome.error.startswith("timed out after 5 s"), outcome
+    err = capfd.readouterr().err
+    assert err.count("in _wait_forever") == 2, err
+    # one rank's header, then its stack, then the next rank's: not interleaved
+    first, second = err.index("rank 0 (pid"), err.index("rank 1 (pid")
+    assert first < err.index("in _wait_forever") < second < err.rindex("in _wait_forever"), err

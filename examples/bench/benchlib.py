@@ -9,11 +9,13 @@ the plumbing.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import importlib.util
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -100,8 +102,9 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
 
     A worker that raises or dies ends the group (torch terminates the others). A group
     still running after ``timeout_s`` seconds (a hung collective) is terminated, so that
-    the caller can still report what was measured before the hang. A worker whose ``fn``
-    returned ends without finalizing the interpreter (see ``_worker``).
+    the caller can still report what was measured before the hang; each of its workers
+    first prints every thread's Python stack on stderr (where each one waited). A worker
+    whose ``fn`` returned ends without finalizing the interpreter (see ``_worker``).
     """
     start = time.monotonic()
     context = mp.start_processes(_worker, args=(fn, *args), nprocs=nprocs, join=False,
@@ -127,7 +130,9 @@ def _worker(rank: int, fn: Callable, *args) -> None:
     """A spawned worker: ``fn(rank, *args)``, then, if it returned, the end of the process
     without finalizing the interpreter (``commsched.workers.exit_worker``: a gloo thread
     may otherwise abort the finished process). Without commsched the worker exits as
-    usual."""
+    usual. ``DUMP_SIGNAL`` makes it print every thread's Python stack on stderr."""
+    if DUMP_SIGNAL is not None:
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
     fn(rank, *args)
     try:
         from commsched.workers import exit_worker
@@ -136,8 +141,23 @@ def _worker(rank: int, fn: Callable, *args) -> None:
     exit_worker()
 
 
+# The signal a hung worker gets before it is terminated: it dumps its threads' stacks.
+DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
 def _terminate(processes: Iterable) -> None:
-    processes = list(processes)
+    """Terminate the workers still alive (``processes`` in rank order), each after it
+    printed its threads' stacks."""
+    alive = [(rank, p) for rank, p in enumerate(processes) if p.is_alive()]
+    if DUMP_SIGNAL is not None:
+        # One worker at a time: dumps written together would interleave on the shared
+        # stderr. Each is written from the signal handler, at once.
+        for rank, p in alive:
+            print(f"[bench] rank {rank} (pid {p.pid}) is still running; its threads:",
+                  file=sys.stderr, flush=True)
+            os.kill(p.pid, DUMP_SIGNAL)
+            time.sleep(0.3)
+    processes = [p for _, p in alive]
     for p in processes:
         if p.is_alive():
             p.terminate()
