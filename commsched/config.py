@@ -76,7 +76,8 @@ class Config:
         "COMMSCHED_PARTITION_BYTES",
         "Chunk size a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); a "
         "remainder under 1/8 of it rides with the last chunk; 0 or inf disables "
-        "partitioning. The data-parallel mode's rs_ag does not cut its reduce-scatters and "
+        "partitioning. The data-parallel mode cuts its layer groups' all-reduces only under "
+        "a bounded credit window (or autotune); rs_ag never cuts its reduce-scatters and "
         "all-gathers."))
     """Chunk size a request is partitioned into (a remainder under 1/8 of it is folded into
     the last chunk, see partition.py); 0 means no partitioning."""

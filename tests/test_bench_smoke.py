@@ -148,6 +148,20 @@ def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
     assert is_number(modes["compute_only"]["throughput"])
 
 
+def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harness_run):
+    # The default config has an unbounded credit window: `none` does not cut its groups,
+    # and rs_ag never does; the table says so instead of the unused partition size.
+    proc, document = harness_run
+    modes = document["launches"][0]["runs"][0]["modes"]
+    assert modes["commsched_dp"]["commsched_config"]["credit_bytes"] == 0
+    labels = {m.name: m.label for m in harness.MODES}
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    for name in ("commsched_dp", "commsched_dp_zero"):
+        assert modes[name]["whole_groups"] is True, name
+        [row] = [r for r in rows if f"| {labels[name]} |" in r]
+        assert "whole layer groups" in row and "partition " not in row, row
+
+
 def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
     _, document = harness_run
     result = document["launches"][0]["runs"][0]["modes"]["ddp_commsched_autotune"]

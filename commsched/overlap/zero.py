@@ -39,7 +39,7 @@ from typing import List, Optional
 
 import torch
 
-from .engine import _UPDATE, _ZERO, OverlapEngine, copy_flags, sibling_group
+from .engine import _UPDATE, _ZERO, WHOLE, OverlapEngine, copy_flags, sibling_group
 from .groups import LayerGroup
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
@@ -51,7 +51,6 @@ __all__ = ["ZeroEngine"]
 # output of the chunk's full size and copies out of it, and which costs more Python to
 # issue. Whole, each is the single-tensor form, in place. The layer group size
 # (``group_bytes``) sets the collective size instead, as DDP's bucket size does.
-WHOLE = 0
 
 
 class ZeroEngine(OverlapEngine):

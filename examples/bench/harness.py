@@ -572,6 +572,10 @@ def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
     extra = {} if group_bytes is None else {"group_bytes": group_bytes}
     model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config,
                                       **extra)
+    engine = model._engine
+    # Layer groups go whole (one collective each) with rs_ag, and with `none` under an
+    # unbounded credit window: the partition size does not apply then.
+    whole = engine.decompose == "rs_ag" or engine.partition_bytes == 0
     try:
         times = bench.time(bench.train_step(model, optimizer))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
@@ -580,7 +584,7 @@ def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
     finally:
         close_quietly(model, optimizer)
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
-            "optimizer_state_bytes": state}
+            "optimizer_state_bytes": state, "whole_groups": whole}
 
 
 def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
@@ -1070,8 +1074,10 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
                 f"{result['settle_steps']} steps")
     config = result.get("commsched_config")
     if config:
-        text = (f"partition {config['partition_bytes'] >> 10} KiB, credit "
-                f"{config['credit_bytes'] >> 10} KiB, {config['policy']}, {config['decompose']}")
+        partition = ("whole layer groups" if result.get("whole_groups")
+                     else f"partition {config['partition_bytes'] >> 10} KiB")
+        text = (f"{partition}, credit {config['credit_bytes'] >> 10} KiB, {config['policy']}, "
+                f"{config['decompose']}")
         if result.get("optimizer_state_bytes") is not None:
             text += f"; optimizer state {result['optimizer_state_bytes'] / 2**20:.0f} MiB/rank"
         return text
