@@ -174,14 +174,15 @@ def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
 
 @pytest.fixture(scope="module")
 def harness_options_run(tmp_path_factory):
-    """World size 3, two interleaved rounds, a two-point sweep, telemetry kept, a profiled
-    window per mode (BENCH_PROFILE)."""
+    """World size 3, two interleaved rounds, a two-point sweep and a two-point sweep of the
+    data-parallel mode, telemetry kept, a profiled window per mode (BENCH_PROFILE)."""
     tmp = tmp_path_factory.mktemp("bench_options")
     out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--world-size", "3",
                                      "--rounds", "2", "--modes", "compute_only",
-                                     "--sweep", "64K/256K,0/0", "--telemetry-root", str(root),
+                                     "--sweep", "64K/256K,0/0", "--dp-sweep", "64K/256K,0/0",
+                                     "--telemetry-root", str(root),
                                      "--timeout", "200", "--out", str(out)], timeout=240,
                       env={"BENCH_PROFILE": str(traces)})
     document = json.loads(out.read_text()) if out.exists() else None
@@ -217,11 +218,31 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
     assert all(row["bytes"] > 0 for row in rows)
 
 
+def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_options_run):
+    proc, document, _, _ = harness_options_run
+    assert proc.returncode == 0, explain(proc)
+    assert document["settings"]["dp_sweep"] == [[64 << 10, 256 << 10], [0, 0]]
+    modes = document["launches"][0]["runs"][0]["modes"]
+    for name, setting, whole in (("dpsweep_p64K_c256K", (64 << 10, 256 << 10), False),
+                                 ("dpsweep_p0_c0", (0, 0), True)):
+        result = modes[name]
+        assert result["status"] == "ok", result["reason"]
+        assert len(result["round_medians_ms"]) == 2, name
+        config = result["commsched_config"]
+        assert (config["partition_bytes"], config["credit_bytes"]) == setting, name
+        # cut under the bounded window, whole layer groups under the unbounded one
+        assert result["whole_groups"] is whole, name
+    table = proc.stdout[proc.stdout.index("| regime |"):]
+    assert "6s data-parallel mode, partition 64K, credit 256K" in table
+    assert "6s data-parallel mode, partition off, credit unbounded" in table
+
+
 def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_run):
     proc, _, _, traces = harness_options_run
     assert proc.returncode == 0, explain(proc)
     expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
-                for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0")
+                for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0",
+                             "dpsweep_p64K_c256K", "dpsweep_p0_c0")
                 for rank in range(3) for suffix in ("", "_r2")}
     assert {p.name for p in traces.iterdir()} == expected
     with gzip.open(traces / "nvlink_sweep_p64K_c256K_rank1.json.gz", "rt") as f:
@@ -233,7 +254,9 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
 
 def test_harness_rejects_bad_options_naming_the_flag():
     for args, flag in ((["--world-size", "1"], "--world-size"), (["--rounds", "0"], "--rounds"),
-                       (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep")):
+                       (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
+                       (["--dp-sweep", "4M/1M,4M/1M"], "--dp-sweep"),
+                       (["--dp-sweep", "1M"], "--dp-sweep")):
         proc = run_script("harness.py", ["--cpu", *args], timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
 

@@ -25,6 +25,9 @@ Measurement options:
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
   suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
   telemetry on: the runs the simulator is validated on.
+* ``--dp-sweep 0/0,32M/128M,...`` adds one mode per PARTITION/CREDIT pair of the
+  data-parallel mode (``commsched.wrap``), telemetry off: its settings compared within one
+  launch, interleaved with ``--rounds``, rather than across launches.
 
 Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
 line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
@@ -685,9 +688,26 @@ def sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
     return modes
 
 
-def mode_table(sweep: Sequence[Tuple[int, int]] = ()) -> List[Mode]:
-    """Every mode of a launch, in table order: ``MODES`` then the sweep's."""
-    return [*MODES, *sweep_modes(sweep)]
+def dp_sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
+    """One mode per (partition, credit): the data-parallel mode with that setting
+    (``--dp-sweep``)."""
+    modes = []
+    for partition, credit in pairs:
+        name = f"dpsweep_p{_short_bytes(partition)}_c{_short_bytes(credit)}"
+        label = (f"6s data-parallel mode, partition "
+                 f"{_short_bytes(partition) if partition else 'off'}, "
+                 f"credit {_short_bytes(credit) if credit else 'unbounded'}")
+
+        def run(bench: Bench, partition=partition, credit=credit):
+            return run_commsched_dp(bench, partition_bytes=partition, credit_bytes=credit)
+        modes.append(Mode(name, label, run))
+    return modes
+
+
+def mode_table(sweep: Sequence[Tuple[int, int]] = (),
+               dp_sweep: Sequence[Tuple[int, int]] = ()) -> List[Mode]:
+    """Every mode of a launch, in table order: ``MODES``, then the sweeps'."""
+    return [*MODES, *sweep_modes(sweep), *dp_sweep_modes(dp_sweep)]
 
 
 def ddp_bucket_bytes(model: DDP) -> Optional[Tuple[List[int], str]]:
@@ -920,9 +940,10 @@ class LaunchSpec:
     rounds: int = 1
     sweep: Tuple[Tuple[int, int], ...] = ()
     telemetry_root: Optional[str] = None
+    dp_sweep: Tuple[Tuple[int, int], ...] = ()
 
     def table(self) -> List[Mode]:
-        return mode_table(self.sweep)
+        return mode_table(self.sweep, self.dp_sweep)
 
 
 def worker(rank: int, spec: LaunchSpec) -> None:
@@ -1113,7 +1134,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="timed iterations per mode (default 30; 3 with --quick)")
     parser.add_argument("--modes", default="all",
                         help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'bound')} "
-                             "(the --sweep modes are added to it)")
+                             "(the --sweep and --dp-sweep modes are added to it)")
     parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
                         help="workers per launch, one GPU each with NCCL (default 2)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -1123,6 +1144,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="comma-separated PARTITION/CREDIT byte pairs (K/M/G suffixes, 0 = "
                              "off/unbounded), e.g. 1M/4M,4M/16M: one hook mode each, with "
                              "telemetry")
+    parser.add_argument("--dp-sweep", default="",
+                        help="comma-separated PARTITION/CREDIT byte pairs, as --sweep: one "
+                             "data-parallel mode (commsched.wrap) each, telemetry off")
     parser.add_argument("--telemetry-root", default=None,
                         help="keep each telemetry-recording mode's run directory under this "
                              "directory (default: temporary directories)")
@@ -1146,13 +1170,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--world-size {args.world_size}: must be >= 2")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
-    try:
-        args.sweep = tuple(_parse_pair(p) for p in args.sweep.split(",") if p.strip())
-    except ValueError as exc:
-        parser.error(f"--sweep {args.sweep!r}: {exc}")
-    sweep_names = [m.name for m in sweep_modes(args.sweep)]
-    if len(set(sweep_names)) != len(sweep_names):
-        parser.error(f"--sweep {args.sweep!r}: a pair is given twice")
+    sweep_names = []
+    for flag, build in (("sweep", sweep_modes), ("dp_sweep", dp_sweep_modes)):
+        text = getattr(args, flag)
+        option = "--" + flag.replace("_", "-")
+        try:
+            pairs = tuple(_parse_pair(p) for p in text.split(",") if p.strip())
+        except ValueError as exc:
+            parser.error(f"{option} {text!r}: {exc}")
+        names = [m.name for m in build(pairs)]
+        if len(set(names)) != len(names):
+            parser.error(f"{option} {text!r}: a pair is given twice")
+        setattr(args, flag, pairs)
+        sweep_names += names
     measured = [n for n in MODE_NAMES if n != "bound"]
     args.modes = measured if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
     unknown = set(args.modes) - set(measured)
@@ -1185,6 +1215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "modes": list(args.modes), "quick": args.quick, "warmup": args.warmup,
                      "iters": args.iters, "world_size": args.world_size, "rounds": args.rounds,
                      "sweep": [list(p) for p in args.sweep],
+                     "dp_sweep": [list(p) for p in args.dp_sweep],
                      "telemetry_root": args.telemetry_root, "backend": backend,
                      "ddp_bucket_cap_mb": DDP_BUCKET_CAP_MB, "seed": SEED},
         "parent_env": benchlib.relevant_env(),
@@ -1197,7 +1228,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             spec = LaunchSpec(regime, models_, tuple(args.modes), args.quick, args.warmup,
                               args.iters, benchlib.free_port(), backend,
                               args.collective_timeout, str(Path(tmp) / f"{regime}.json"),
-                              args.world_size, args.rounds, args.sweep, args.telemetry_root)
+                              args.world_size, args.rounds, args.sweep, args.telemetry_root,
+                              args.dp_sweep)
             remaining = deadline - time.monotonic()
             if remaining < 20:
                 launch_doc = run_launch_skipped(spec, "time budget (--timeout) used up")
