@@ -144,6 +144,11 @@ class OverlapEngine:
         self._hooks = []
         self._register_hooks(module_groups)
 
+    @property
+    def whole_groups(self) -> bool:
+        """Whether each layer group goes as one collective (the partition size unused)."""
+        return self.partition_bytes == WHOLE
+
     # ---- layout ---------------------------------------------------------------------------
     def _allocate(self) -> None:
         for g in self.groups:

@@ -58,6 +58,10 @@ class ZeroEngine(OverlapEngine):
 
     decompose = "rs_ag"
 
+    @property
+    def whole_groups(self) -> bool:
+        return True             # reduce-scatters and all-gathers always go WHOLE
+
     def __init__(self, module, optimizer, config, group=None, **kwargs):
         if not is_elementwise(optimizer):
             raise TypeError(

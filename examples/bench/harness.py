@@ -575,10 +575,9 @@ def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
     extra = {} if group_bytes is None else {"group_bytes": group_bytes}
     model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config,
                                       **extra)
-    engine = model._engine
     # Layer groups go whole (one collective each) with rs_ag, and with `none` under an
     # unbounded credit window: the partition size does not apply then.
-    whole = engine.decompose == "rs_ag" or engine.partition_bytes == 0
+    whole = model._engine.whole_groups
     try:
         times = bench.time(bench.train_step(model, optimizer))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.

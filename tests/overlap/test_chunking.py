@@ -54,6 +54,7 @@ def test_groups_are_cut_only_under_a_credit_window(world1, credit):
         model.drain()
         log = scheduler.dispatch_log(model._engine.reduce_group)
         groups = model._engine.groups
+        assert model._engine.whole_groups is (credit == 0)
     finally:
         model.close()
 
