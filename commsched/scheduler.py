@@ -232,6 +232,10 @@ class _Lane:
         self.stopping = threading.Event()
         self.topology: Optional[Topology] = None      # created on first use, every rank
         self.events: "collections.deque" = collections.deque()
+        # Ready events, recorded by submit() and free again once the request's first steps
+        # were issued (a stream's wait on an event takes the event as recorded at the time
+        # of the wait): no event is created and destroyed per request.
+        self.ready_events: "collections.deque" = collections.deque()
         # --- autotune (autotune.py): the credit window of the iteration at the head of the
         # order (the config's unless tuned); rank 0 keeps chunk records while `collecting`.
         self.credit_bytes = self.config.credit_bytes
@@ -717,9 +721,14 @@ class _Lane:
                 end = self._event()
                 end.record(self.done_stream)
                 if last and req.chunks_issued == len(req.chunks):
-                    req.done_event = torch.cuda.Event()
-                    req.done_event.record(self.done_stream)
+                    # The request ends where its last step does. The pool may hand this
+                    # event out again once the step completed: recorded again later on
+                    # the same stream, a query can only answer "not yet" for longer.
+                    req.done_event = end
                     self.dispatched.append(req)
+                    # Every step 0 of the request was issued: its ready event is free.
+                    self.ready_events.append(req.ready_event)
+                    req.ready_event = None
             finally:
                 torch.cuda.set_stream(caller)
             self.in_flight.append([chunk, step, work, start, end, None])
@@ -1107,7 +1116,10 @@ class Scheduler:
             tensor.mul_(scale)
         req.ready_event = req.done_event = req.issue_seq = None
         if lane.cuda:
-            req.ready_event = torch.cuda.Event()
+            try:
+                req.ready_event = lane.ready_events.pop()
+            except IndexError:
+                req.ready_event = torch.cuda.Event()
             req.ready_event.record()
             req.future = torch.futures.Future(devices=[tensor.device])
         else:
