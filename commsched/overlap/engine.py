@@ -44,7 +44,7 @@ from commsched.config import Config
 from commsched.scheduler import Scheduler
 from commsched.telemetry import open_rank_recorder
 
-from .groups import DEFAULT_GROUP_BYTES, LayerGroup, build_groups, grad_view_class
+from .groups import LayerGroup, build_groups, grad_view_class
 from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subset,
                      update_mode)
 
@@ -67,7 +67,7 @@ class OverlapEngine:
     decompose = "none"
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 config: Config, group=None, *, group_bytes: int = DEFAULT_GROUP_BYTES,
+                 config: Config, group=None, *, group_bytes: Optional[int] = None,
                  reads_grads: bool = False, broadcast_buffers: bool = True,
                  scheduler: Optional[Scheduler] = None, observer=None):
         if not dist.is_initialized():
@@ -88,7 +88,8 @@ class OverlapEngine:
                     config, next(module.parameters()).device)
             scheduler = Scheduler(config, observer, owns_groups=True)
         self.scheduler = scheduler
-        self.groups, module_groups = build_groups(module, group_bytes)
+        self.groups, module_groups = build_groups(
+            module, config.group_bytes if group_bytes is None else group_bytes)
         if not self.groups:
             raise ValueError("commsched.wrap: the model has no parameter that requires grad")
         devices = {g.device for g in self.groups}

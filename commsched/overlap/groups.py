@@ -26,13 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GradView", "LayerGroup", "build_groups", "DEFAULT_GROUP_BYTES"]
-
-# Default layer-group size: DDP's bucket cap. Measured on 2 and 4 H200s (GPT 405M,
-# NVLink): 25 MiB groups ran 63-65 ms/iteration where 4 MiB groups ran 77-79, since each
-# group costs a scheduler request and per-request host work dominates on a host-bound
-# model; host path: equal (81 ms).
-DEFAULT_GROUP_BYTES = 25 << 20
+__all__ = ["GradView", "LayerGroup", "build_groups"]
 
 
 class GradView(torch.Tensor):

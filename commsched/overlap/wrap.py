@@ -23,7 +23,6 @@ import torch
 from commsched.config import Config
 
 from .engine import OverlapEngine
-from .groups import DEFAULT_GROUP_BYTES
 
 __all__ = ["OverlapDataParallel", "OverlapOptimizer", "wrap", "drain"]
 
@@ -148,7 +147,7 @@ class OverlapOptimizer(torch.optim.Optimizer):
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         config: Optional[Config] = None, group=None, *, group_bytes: int = DEFAULT_GROUP_BYTES,
+         config: Optional[Config] = None, group=None, *, group_bytes: Optional[int] = None,
          reads_grads: bool = False, broadcast_buffers: bool = True, scheduler=None,
          observer=None) -> Tuple[OverlapDataParallel, OverlapOptimizer]:
     """Data-parallel training whose gradient communication overlaps the next forward.
@@ -161,8 +160,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
     in the next forward); ``none`` and ``auto`` all-reduce; ``hier`` and ``leader`` are
     rejected (they are the DDP hook's and Megatron's). ``group_bytes``: a layer group is
-    closed at a module boundary once it holds this many gradient bytes (default 25 MiB,
-    DDP's bucket cap; 0: one group per module). ``reads_grads``:
+    closed at a module boundary once it holds this many gradient bytes (default
+    ``config.group_bytes``, ``COMMSCHED_GROUP_BYTES``; 0: one group per module). ``reads_grads``:
     the loop reads gradients between backward() and step() (gradient clipping, GradScaler);
     backward then waits for its communication, as DDP's does. ``broadcast_buffers``: as in
     DDP, buffers are broadcast from rank 0 at every training forward. ``scheduler`` /
@@ -182,6 +181,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
             "available in the data-parallel mode, which all-reduces on its own process "
             "group: use none, auto (= none here) or rs_ag (ZeRO-1)")
+    if group_bytes is None:
+        group_bytes = config.group_bytes
+    elif isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+        raise ValueError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
+                         "(bytes of gradients per layer group; 0: one group per module)")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
                   broadcast_buffers=broadcast_buffers, scheduler=scheduler, observer=observer)
     if config.decompose == "rs_ag":

@@ -207,13 +207,13 @@ def _train_wrapped(config, group_bytes, rank, steps=6):
 def _wrap_vs_stock_ddp(rank, world, port):
     _init(rank, world, port)
     ref = _train(None, dict(bucket_cap_mb=1), rank)
-    cases = [(commsched.Config(), None),                        # defaults: 25 MiB groups
+    cases = [(commsched.Config(), None),                        # default group size
              (commsched.Config(dispatch="inline"), None),       # (auto: a dispatch thread)
              (commsched.Config(), 0),                           # a group per layer
              (commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10), 0),
              (commsched.Config(decompose="rs_ag"), 0)]          # ZeRO-1 shards
     for config, group_bytes in cases:
-        got = _train_wrapped(config, 25 << 20 if group_bytes is None else group_bytes, rank)
+        got = _train_wrapped(config, group_bytes, rank)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (config, group_bytes, (a - b).abs().max().item())
     dist.destroy_process_group()

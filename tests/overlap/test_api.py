@@ -41,6 +41,25 @@ def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
         drain(net)
 
 
+def test_layer_group_size_comes_from_the_config_unless_passed(world1):
+    def groups(config=None, **kwargs):
+        model, _ = wrap(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), config, **kwargs)
+        try:
+            return len(model._engine.groups)
+        finally:
+            model.close()
+    # Two Linear layers: 0 bytes per group closes one group per module, the default one.
+    assert groups() == 1
+    assert groups(commsched.Config(group_bytes=0)) == 2
+    assert groups(commsched.Config(group_bytes=0), group_bytes=1 << 20) == 1
+    assert groups(commsched.Config(), group_bytes=0) == 2
+    net = _mlp()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"group_bytes={bad!r}"):
+            wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=bad)
+    assert all(not m._forward_pre_hooks for m in net.modules())      # nothing half-applied
+
+
 @pytest.mark.parametrize("decompose", ["hier", "leader"])
 def test_topology_decompositions_are_refused_naming_the_variable(world1, decompose):
     net = _mlp()
