@@ -181,7 +181,8 @@ def harness_options_run(tmp_path_factory):
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--world-size", "3",
                                      "--rounds", "2", "--modes", "compute_only",
-                                     "--sweep", "64K/256K,0/0", "--dp-sweep", "64K/256K,0/0",
+                                     "--sweep", "64K/256K,0/0",
+                                     "--dp-sweep", "64K/256K,0/0,0/0/0",
                                      "--telemetry-root", str(root),
                                      "--timeout", "200", "--out", str(out)], timeout=240,
                       env={"BENCH_PROFILE": str(traces)})
@@ -221,20 +222,28 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
 def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_options_run):
     proc, document, _, _ = harness_options_run
     assert proc.returncode == 0, explain(proc)
-    assert document["settings"]["dp_sweep"] == [[64 << 10, 256 << 10], [0, 0]]
+    assert document["settings"]["dp_sweep"] == [[64 << 10, 256 << 10], [0, 0], [0, 0, 0]]
     modes = document["launches"][0]["runs"][0]["modes"]
-    for name, setting, whole in (("dpsweep_p64K_c256K", (64 << 10, 256 << 10), False),
-                                 ("dpsweep_p0_c0", (0, 0), True)):
+    from commsched.config import Config
+    default = Config().group_bytes
+    for name, setting, whole in (("dpsweep_p64K_c256K", (64 << 10, 256 << 10, default), False),
+                                 ("dpsweep_p0_c0", (0, 0, default), True),
+                                 ("dpsweep_p0_c0_g0", (0, 0, 0), True)):
         result = modes[name]
         assert result["status"] == "ok", result["reason"]
         assert len(result["round_medians_ms"]) == 2, name
         config = result["commsched_config"]
-        assert (config["partition_bytes"], config["credit_bytes"]) == setting, name
+        assert (config["partition_bytes"], config["credit_bytes"],
+                config["group_bytes"]) == setting, name
         # cut under the bounded window, whole layer groups under the unbounded one
         assert result["whole_groups"] is whole, name
+    # The quick GPT fits in one default-size group; one group per module is many more.
+    assert modes["dpsweep_p0_c0"]["layer_groups"] == 1
+    assert modes["dpsweep_p0_c0_g0"]["layer_groups"] > 10
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "6s data-parallel mode, partition 64K, credit 256K" in table
     assert "6s data-parallel mode, partition off, credit unbounded" in table
+    assert "6s data-parallel mode, partition off, credit unbounded, groups per module" in table
 
 
 def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_run):
@@ -242,7 +251,7 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     assert proc.returncode == 0, explain(proc)
     expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
                 for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0",
-                             "dpsweep_p64K_c256K", "dpsweep_p0_c0")
+                             "dpsweep_p64K_c256K", "dpsweep_p0_c0", "dpsweep_p0_c0_g0")
                 for rank in range(3) for suffix in ("", "_r2")}
     assert {p.name for p in traces.iterdir()} == expected
     with gzip.open(traces / "nvlink_sweep_p64K_c256K_rank1.json.gz", "rt") as f:
@@ -256,7 +265,8 @@ def test_harness_rejects_bad_options_naming_the_flag():
     for args, flag in ((["--world-size", "1"], "--world-size"), (["--rounds", "0"], "--rounds"),
                        (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
                        (["--dp-sweep", "4M/1M,4M/1M"], "--dp-sweep"),
-                       (["--dp-sweep", "1M"], "--dp-sweep")):
+                       (["--dp-sweep", "1M"], "--dp-sweep"),
+                       (["--dp-sweep", "1M/2M/3M/4M"], "--dp-sweep")):
         proc = run_script("harness.py", ["--cpu", *args], timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
 

@@ -25,9 +25,10 @@ Measurement options:
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
   suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
   telemetry on: the runs the simulator is validated on.
-* ``--dp-sweep 0/0,32M/128M,...`` adds one mode per PARTITION/CREDIT pair of the
-  data-parallel mode (``commsched.wrap``), telemetry off: its settings compared within one
-  launch, interleaved with ``--rounds``, rather than across launches.
+* ``--dp-sweep 0/0,32M/128M,0/0/128M,...`` adds one mode per PARTITION/CREDIT pair (or
+  PARTITION/CREDIT/GROUP triple, GROUP the layer-group size) of the data-parallel mode
+  (``commsched.wrap``), telemetry off: its settings compared within one launch, interleaved
+  with ``--rounds``, rather than across launches.
 
 Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
 line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
@@ -563,21 +564,20 @@ def _tuned_setting(log: List[dict], config) -> Dict[str, Any]:
     return tuned
 
 
-def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
-                     **overrides) -> Dict[str, Any]:
-    """commsched's own data-parallel mode (crossing the iteration barrier); ``group_bytes``
-    is wrap()'s layer-group size (its default when None)."""
+def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
+    """commsched's own data-parallel mode (crossing the iteration barrier); ``overrides``
+    replace fields of the config from the environment (``group_bytes``: the layer-group
+    size)."""
     commsched = benchlib.import_commsched()
     if not hasattr(commsched, "wrap"):
         raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
     config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.build_model()
-    extra = {} if group_bytes is None else {"group_bytes": group_bytes}
-    model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config,
-                                      **extra)
+    model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config)
     # Layer groups go whole (one collective each) with rs_ag, and with `none` under an
     # unbounded credit window: the partition size does not apply then.
     whole = model._engine.whole_groups
+    groups = len(model._engine.groups)
     try:
         times = bench.time(bench.train_step(model, optimizer))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
@@ -586,7 +586,7 @@ def run_commsched_dp(bench: Bench, group_bytes: Optional[int] = None,
     finally:
         close_quietly(model, optimizer)
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
-            "optimizer_state_bytes": state, "whole_groups": whole}
+            "optimizer_state_bytes": state, "whole_groups": whole, "layer_groups": groups}
 
 
 def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
@@ -687,24 +687,29 @@ def sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
     return modes
 
 
-def dp_sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
-    """One mode per (partition, credit): the data-parallel mode with that setting
-    (``--dp-sweep``)."""
+def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
+    """One mode per (partition, credit[, layer-group size]): the data-parallel mode with
+    that setting (``--dp-sweep``); without a group size, the config's."""
     modes = []
-    for partition, credit in pairs:
+    for partition, credit, *group in settings:
         name = f"dpsweep_p{_short_bytes(partition)}_c{_short_bytes(credit)}"
         label = (f"6s data-parallel mode, partition "
                  f"{_short_bytes(partition) if partition else 'off'}, "
                  f"credit {_short_bytes(credit) if credit else 'unbounded'}")
+        overrides = {"partition_bytes": partition, "credit_bytes": credit}
+        if group:
+            name += f"_g{_short_bytes(group[0])}"
+            label += f", groups {_short_bytes(group[0]) if group[0] else 'per module'}"
+            overrides["group_bytes"] = group[0]
 
-        def run(bench: Bench, partition=partition, credit=credit):
-            return run_commsched_dp(bench, partition_bytes=partition, credit_bytes=credit)
+        def run(bench: Bench, overrides=overrides):
+            return run_commsched_dp(bench, **overrides)
         modes.append(Mode(name, label, run))
     return modes
 
 
 def mode_table(sweep: Sequence[Tuple[int, int]] = (),
-               dp_sweep: Sequence[Tuple[int, int]] = ()) -> List[Mode]:
+               dp_sweep: Sequence[Tuple[int, ...]] = ()) -> List[Mode]:
     """Every mode of a launch, in table order: ``MODES``, then the sweeps'."""
     return [*MODES, *sweep_modes(sweep), *dp_sweep_modes(dp_sweep)]
 
@@ -939,7 +944,7 @@ class LaunchSpec:
     rounds: int = 1
     sweep: Tuple[Tuple[int, int], ...] = ()
     telemetry_root: Optional[str] = None
-    dp_sweep: Tuple[Tuple[int, int], ...] = ()
+    dp_sweep: Tuple[Tuple[int, ...], ...] = ()
 
     def table(self) -> List[Mode]:
         return mode_table(self.sweep, self.dp_sweep)
@@ -1096,6 +1101,8 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
     if config:
         partition = ("whole layer groups" if result.get("whole_groups")
                      else f"partition {config['partition_bytes'] >> 10} KiB")
+        if result.get("layer_groups"):
+            partition = f"{result['layer_groups']} {partition}"
         text = (f"{partition}, credit {config['credit_bytes'] >> 10} KiB, {config['policy']}, "
                 f"{config['decompose']}")
         if result.get("optimizer_state_bytes") is not None:
@@ -1144,7 +1151,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "off/unbounded), e.g. 1M/4M,4M/16M: one hook mode each, with "
                              "telemetry")
     parser.add_argument("--dp-sweep", default="",
-                        help="comma-separated PARTITION/CREDIT byte pairs, as --sweep: one "
+                        help="comma-separated PARTITION/CREDIT byte pairs, as --sweep, or "
+                             "PARTITION/CREDIT/GROUP triples (GROUP: layer-group size): one "
                              "data-parallel mode (commsched.wrap) each, telemetry off")
     parser.add_argument("--telemetry-root", default=None,
                         help="keep each telemetry-recording mode's run directory under this "
@@ -1170,11 +1178,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     sweep_names = []
-    for flag, build in (("sweep", sweep_modes), ("dp_sweep", dp_sweep_modes)):
+    for flag, build, sizes in (("sweep", sweep_modes, (2,)),
+                               ("dp_sweep", dp_sweep_modes, (2, 3))):
         text = getattr(args, flag)
         option = "--" + flag.replace("_", "-")
         try:
-            pairs = tuple(_parse_pair(p) for p in text.split(",") if p.strip())
+            pairs = tuple(_parse_pair(p, sizes) for p in text.split(",") if p.strip())
         except ValueError as exc:
             parser.error(f"{option} {text!r}: {exc}")
         names = [m.name for m in build(pairs)]
@@ -1191,11 +1200,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _parse_pair(text: str) -> Tuple[int, int]:
+def _parse_pair(text: str, sizes: Tuple[int, ...] = (2,)) -> Tuple[int, ...]:
+    """``PARTITION/CREDIT`` (or, where ``sizes`` allows 3, ``PARTITION/CREDIT/GROUP``)."""
     parts = text.split("/")
-    if len(parts) != 2:
-        raise ValueError(f"{text.strip()!r} is not PARTITION/CREDIT")
-    return parse_bytes(parts[0]), parse_bytes(parts[1])
+    if len(parts) not in sizes:
+        raise ValueError(f"{text.strip()!r} is not PARTITION/CREDIT"
+                         + ("[/GROUP]" if 3 in sizes else ""))
+    return tuple(parse_bytes(p) for p in parts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
