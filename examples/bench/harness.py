@@ -364,7 +364,8 @@ class Bench:
     def barrier(self) -> None:
         benchlib.barrier(self.backend)
 
-    def time(self, step: Callable[[], None]) -> List[float]:
+    def time(self, step: Callable[[], None],
+             quiesce: Optional[Callable[[], None]] = None) -> List[float]:
         """Run ``warmup`` untimed then ``iters`` timed calls of ``step``; milliseconds per
         call, each measured between device synchronizations."""
         for _ in range(self.warmup):
@@ -416,16 +417,21 @@ class Bench:
                       for p, v in self.phases.items()), flush=True)
         profile_dir = os.environ.get("BENCH_PROFILE")
         if profile_dir:
-            self.profile(step, window, Path(profile_dir))
+            self.profile(step, window, Path(profile_dir), quiesce)
         return times
 
-    def profile(self, step: Callable[[], None], window: int, directory: Path) -> None:
+    def profile(self, step: Callable[[], None], window: int, directory: Path,
+                quiesce: Optional[Callable[[], None]] = None) -> None:
         """BENCH_PROFILE=DIR: one more window of ``step`` under torch.profiler, after the
         timed ones, written as a Chrome trace to ``DIR/<regime>_<mode>_rank<r>.json.gz``
         (``_r2``... for further rounds); ``trace_overlap.py`` summarises it. Not part of
         the timed samples. On GPUs it records CUDA activity only (kernels, copies, the
         runtime calls that launched them): recording every operator on the CPU as well
-        slows the host enough to change what a host-bound window looks like."""
+        slows the host enough to change what a host-bound window looks like. ``quiesce``
+        completes what the mode still has in flight after a step (the data-parallel mode's
+        communication) before the profiler stops: the trace then holds the whole window,
+        and no thread is inside a recorded operation while the profiler shuts down (with
+        gloo collectives running, stopping it crashed the process)."""
         from torch.profiler import ProfilerActivity, profile
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -439,6 +445,8 @@ class Bench:
         with profile(activities=activities) as prof:
             for _ in range(window):
                 step()
+            if quiesce is not None:
+                quiesce()
             self.sync()
         prof.export_chrome_trace(str(path))
 
@@ -579,7 +587,8 @@ def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     whole = model._engine.whole_groups
     groups = len(model._engine.groups)
     try:
-        times = bench.time(bench.train_step(model, optimizer))
+        times = bench.time(bench.train_step(model, optimizer),
+                           quiesce=lambda: commsched.drain(model))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
         from commsched.overlap.update import state_bytes
         state = state_bytes(optimizer)
