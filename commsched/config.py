@@ -92,7 +92,10 @@ class Config:
     time from a chunk's end to the next dispatch (GIL hand-offs while the training thread
     runs Python) exceeds a chunk's transfer time, so a bounded window starves the link
     (GPT 405M, 2x H200: 4 MiB chunks / 16 MiB credit 94 ms vs 69 ms unbounded). Bound it
-    where priorities must overtake queued chunks on a slow network."""
+    where priorities must overtake queued chunks on a slow network: the data-parallel
+    mode with 256 MiB layer groups on the host path ran 68.9-72.4 ms per iteration with a
+    300 MiB window against 72.6-73.5 unbounded (four launches), and 49.5 against 49.8 on
+    NVLink."""
 
     group_bytes: int = field(default=256 << 20, metadata=_env(
         "COMMSCHED_GROUP_BYTES",
