@@ -59,8 +59,11 @@ def parse_bytes(text: str, name: str) -> int:
     return value
 
 
-def _env(var: str, help: str, minimum: int = 0, maximum: int = 1 << 40) -> dict:
-    return {"env": var, "help": help, "min": minimum, "max": maximum}
+def _env(var: str, help: str, minimum: int = 0, maximum: int = 1 << 40,
+         zero: str = "") -> dict:
+    """Field metadata. ``zero``, for a byte count: what 0 means where that is not
+    "unbounded"; ``inf`` is then refused rather than read as 0."""
+    return {"env": var, "help": help, "min": minimum, "max": maximum, "zero": zero}
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class Config:
         "Data-parallel mode (commsched.wrap): a layer group, the unit of communication and "
         "of optimizer update, is closed at a module boundary once it holds this many bytes "
         "of gradients (suffixes KiB/MiB/GiB accepted); 0: one group per module. "
-        "wrap(group_bytes=...) overrides it."))
+        "wrap(group_bytes=...) overrides it.", zero="one layer group per module"))
     """Layer-group size of the data-parallel mode, in gradient bytes (0: one group per
     parameter-owning module). Each group is one request per iteration, and a request costs
     ~0.5 ms of Python spread over the autograd and dispatch threads (gradient hand-over,
@@ -270,11 +273,11 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
             return raw.strip() == "1"
         raise ConfigError(f"{var}={raw!r}: expected 0 or 1")
     if f.name.endswith("_bytes"):
-        if f.name == "group_bytes" and raw.strip().lower() in ("inf", "unlimited"):
-            # parse_bytes reads "inf" as 0, which here means the opposite: the smallest
-            # groups (one per module), not one group.
+        zero = f.metadata["zero"]
+        if zero and raw.strip().lower() in ("inf", "unlimited"):
+            # parse_bytes reads "inf" as 0, which here means something else.
             raise ConfigError(f"{var}={raw!r}: expected a byte count such as 100MiB "
-                              "(0: one layer group per module)")
+                              f"(0: {zero})")
         return parse_bytes(raw, var)
     if f.type in ("int", int):
         m = _INT_RE.match(raw)
