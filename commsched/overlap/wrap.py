@@ -181,9 +181,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
             "available in the data-parallel mode, which all-reduces on its own process "
             "group: use none, auto (= none here) or rs_ag (ZeRO-1)")
-    if group_bytes is None:
-        group_bytes = config.group_bytes
-    elif isinstance(group_bytes, bool) or not isinstance(group_bytes, int) or group_bytes < 0:
+    if group_bytes is not None and (isinstance(group_bytes, bool)
+                                    or not isinstance(group_bytes, int) or group_bytes < 0):
         raise ValueError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
                          "(bytes of gradients per layer group; 0: one group per module)")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
