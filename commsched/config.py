@@ -80,7 +80,7 @@ class Config:
         "Chunk size a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); a "
         "remainder under 1/8 of it rides with the last chunk; 0 or inf disables "
         "partitioning. The data-parallel mode cuts its layer groups' all-reduces only under "
-        "a bounded credit window (or autotune); rs_ag never cuts its reduce-scatters and "
+        "a credit window set in bytes (or autotune); rs_ag never cuts its reduce-scatters and "
         "all-gathers."))
     """Chunk size a request is partitioned into (a remainder under 1/8 of it is folded into
     the last chunk, see partition.py); 0 means no partitioning."""
@@ -95,10 +95,9 @@ class Config:
     time from a chunk's end to the next dispatch (GIL hand-offs while the training thread
     runs Python) exceeds a chunk's transfer time, so a bounded window starves the link
     (GPT 405M, 2x H200: 4 MiB chunks / 16 MiB credit 94 ms vs 69 ms unbounded). Bound it
-    where priorities must overtake queued chunks on a slow network: the data-parallel
-    mode with 256 MiB layer groups on the host path ran 68.9-72.4 ms per iteration with a
-    300 MiB window against 72.6-73.5 unbounded (four launches), and 49.5 against 49.8 on
-    NVLink."""
+    where priorities must overtake queued chunks on a slow network. The data-parallel
+    mode, unbounded here, gets a window of whole layer groups instead (``groups_in_flight``);
+    set here, this window applies to it too, in chunks of ``partition_bytes``."""
 
     group_bytes: int = field(default=256 << 20, metadata=_env(
         "COMMSCHED_GROUP_BYTES",
@@ -116,6 +115,26 @@ class Config:
     NVLink 77.4/68.1/63.2/56.1 and, in a second launch, 57.6 (128 MiB)/49.8/51.8/55.1;
     host path 79.4/75.7/73.7/74.2 and 74.4 (128 MiB)/73.6/75.9/77.8. Larger groups expose
     more of the last group's communication, smaller ones pay more per-request work."""
+
+    groups_in_flight: int = field(default=2, metadata=_env(
+        "COMMSCHED_GROUPS_IN_FLIGHT",
+        "Data-parallel mode (commsched.wrap, decompose none) with COMMSCHED_CREDIT_BYTES "
+        "unbounded: at most this many layer groups' bytes in flight (a window of this many "
+        "times the largest group), so that the first layers' group, reduced last in "
+        "backward, overtakes the groups still queued and the next forward starts sooner; "
+        "0: unbounded. COMMSCHED_CREDIT_BYTES, when set, applies instead.",
+        maximum=1 << 20))
+    """Credit window of the data-parallel mode's all-reduces, in layer groups (0: unbounded),
+    where ``credit_bytes`` leaves the window unbounded and autotune is off; rs_ag leaves
+    its window unbounded. Each group goes as one collective.
+
+    Two, not one: with one group in flight the link idles from a group's end until the
+    completion thread has returned its credit and the next group is issued (GIL hand-offs
+    while the training thread runs the next forward). Measured on 2x H200 (GPT 405M, six
+    256 MiB groups; ms/iteration, interleaved rounds in one launch each): 1 / 2 groups /
+    unbounded, host path 70.1 / 69.8 / 73.5, NVLink 60.4 / 56.4 / 56.5; 2 groups /
+    unbounded, host path 72.3 / 74.4, NVLink 64.9 / 64.4; 1 group / unbounded in two more
+    launches, host path 67.2 / 72.7 and 75.8 / 74.4, NVLink 50.3 / 50.9 and 56.7 / 52.8."""
 
     policy: str = field(default="priority", metadata=_env(
         "COMMSCHED_POLICY",

@@ -33,12 +33,13 @@ ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_python_ho
              "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
              "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune",
              "ddp_commsched_route_fifo", "ddp_commsched_inline", "commsched_dp",
-             "commsched_dp_zero", "commsched_dp_g4", "commsched_dp_inline", "megatron_stock",
+             "commsched_dp_unbounded", "commsched_dp_zero", "commsched_dp_g4", "commsched_dp_inline", "megatron_stock",
              "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
 VARIANT_MODES = ("ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
-                 "commsched_dp_g4", "ddp_commsched_inline", "commsched_dp_inline")
+                 "commsched_dp_g4", "ddp_commsched_inline", "commsched_dp_inline",
+                 "commsched_dp_unbounded")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
                "throughput_unit", "ratio_to_bound")
@@ -149,8 +150,9 @@ def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
 
 
 def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harness_run):
-    # The default config has an unbounded credit window: `none` does not cut its groups,
-    # and rs_ag never does; the table says so instead of the unused partition size.
+    # The default config sets no credit window in bytes: `none` does not cut its groups,
+    # and rs_ag never does; the table says so instead of the unused partition size. `none`
+    # runs under a window of two whole groups (the quick GPT has one), rs_ag unbounded.
     proc, document = harness_run
     modes = document["launches"][0]["runs"][0]["modes"]
     assert modes["commsched_dp"]["commsched_config"]["credit_bytes"] == 0
@@ -160,6 +162,10 @@ def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harn
         assert modes[name]["whole_groups"] is True, name
         [row] = [r for r in rows if f"| {labels[name]} |" in r]
         assert "whole layer groups" in row and "partition " not in row, row
+    window = modes["commsched_dp"]["credit_window_bytes"]
+    assert window > 0 and modes["commsched_dp_zero"]["credit_window_bytes"] == 0
+    [row] = [r for r in rows if f"| {labels['commsched_dp']} |" in r]
+    assert f"credit {window >> 10} KiB (2 layer groups in flight)" in row, row
 
 
 def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
@@ -235,15 +241,15 @@ def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_op
         config = result["commsched_config"]
         assert (config["partition_bytes"], config["credit_bytes"],
                 config["group_bytes"]) == setting, name
-        # cut under the bounded window, whole layer groups under the unbounded one
+        # cut under the window set in bytes, whole layer groups under the window of groups
         assert result["whole_groups"] is whole, name
     # The quick GPT fits in one default-size group; one group per module is many more.
     assert modes["dpsweep_p0_c0"]["layer_groups"] == 1
     assert modes["dpsweep_p0_c0_g0"]["layer_groups"] > 10
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "6s data-parallel mode, partition 64K, credit 256K" in table
-    assert "6s data-parallel mode, partition off, credit unbounded" in table
-    assert "6s data-parallel mode, partition off, credit unbounded, groups per module" in table
+    assert "6s data-parallel mode, partition off, credit 2 layer groups" in table
+    assert "6s data-parallel mode, partition off, credit 2 layer groups, groups per module" in table
 
 
 def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_run):

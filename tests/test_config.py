@@ -22,9 +22,10 @@ def test_every_field_parsed_from_its_variable():
         "COMMSCHED_DECOMPOSE": "rs_ag", "COMMSCHED_PROFILE_ITERS": "5",
         "COMMSCHED_TELEMETRY_DIR": "/tmp/run", "COMMSCHED_NVTX": "1",
         "COMMSCHED_TELEMETRY_NVML_PERIOD_MS": "0", "COMMSCHED_TELEMETRY_NVML_PER_LINK": "0",
-        "COMMSCHED_TELEMETRY_MAX_BYTES": "1GiB", "COMMSCHED_GROUP_BYTES": "64MiB"})
+        "COMMSCHED_TELEMETRY_MAX_BYTES": "1GiB", "COMMSCHED_GROUP_BYTES": "64MiB",
+        "COMMSCHED_GROUPS_IN_FLIGHT": "3"})
     assert config == Config(enabled=True, partition_bytes=4 << 20, credit_bytes=0,
-                            group_bytes=64 << 20,
+                            group_bytes=64 << 20, groups_in_flight=3,
                             policy="fifo", decompose="rs_ag", profile_iters=5,
                             telemetry_dir="/tmp/run", nvtx=True, telemetry_nvml_period_ms=0,
                             telemetry_nvml_per_link=False, telemetry_max_bytes=1 << 30)
@@ -49,11 +50,20 @@ BAD = [
     ("COMMSCHED_TELEMETRY_NVML_PER_LINK", "2"), ("COMMSCHED_TELEMETRY_MAX_BYTES", "big"),
     # "inf" would read as 0, which for layer groups means the smallest (one per module)
     ("COMMSCHED_GROUP_BYTES", "inf"), ("COMMSCHED_GROUP_BYTES", "-1"),
+    ("COMMSCHED_GROUPS_IN_FLIGHT", "-1"), ("COMMSCHED_GROUPS_IN_FLIGHT", "one"),
+    ("COMMSCHED_GROUPS_IN_FLIGHT", "1.5"), ("COMMSCHED_GROUPS_IN_FLIGHT", "inf"),
 ]
 
 
 def test_group_bytes_zero_is_one_group_per_module():
     assert Config.from_env({"COMMSCHED_GROUP_BYTES": "0"}).group_bytes == 0
+
+
+def test_two_layer_groups_in_flight_unless_set():
+    assert Config().groups_in_flight == 2
+    assert Config.from_env({"COMMSCHED_GROUPS_IN_FLIGHT": "0"}).groups_in_flight == 0
+    with pytest.raises(ConfigError, match="groups_in_flight"):
+        Config(groups_in_flight=-1)
 
 
 @pytest.mark.parametrize("var,value", BAD)

@@ -57,6 +57,7 @@ class OverlapWarning(UserWarning):
 
 _UPDATE, _ZERO = "update", "zero"
 WHOLE = 0       # Scheduler.submit(partition_bytes=WHOLE): the request goes as one chunk
+_MAX_WINDOW = 1 << 40       # Config.credit_bytes' upper bound
 
 
 class OverlapEngine:
@@ -65,6 +66,7 @@ class OverlapEngine:
     per-group actions (optimizer updates, zero_grad)."""
 
     decompose = "none"
+    windowed = True     # groups_in_flight applies (see _lane_config)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  config: Config, group=None, *, group_bytes: Optional[int] = None,
@@ -82,12 +84,6 @@ class OverlapEngine:
         self.reads_grads = reads_grads
         self.mode = update_mode(optimizer)
         self.recorder = None
-        if scheduler is None:
-            if observer is None and config.telemetry_dir:
-                observer = self.recorder = open_rank_recorder(
-                    config, next(module.parameters()).device)
-            scheduler = Scheduler(config, observer, owns_groups=True)
-        self.scheduler = scheduler
         self.groups, module_groups = build_groups(
             module, config.group_bytes if group_bytes is None else group_bytes)
         if not self.groups:
@@ -113,13 +109,15 @@ class OverlapEngine:
         # application issues on ``group`` meanwhile (a loss average, a barrier) would pair
         # with different chunks on different ranks.
         self.reduce_group = sibling_group(group)
-        # With an unbounded credit window a group's chunks would go one after the other as
-        # soon as the group is submitted, in the order the whole group would: cutting it
-        # changes no order and costs one more collective to issue per chunk (measured
-        # ~0.1-0.25 ms of host time each with NCCL). The layer group size (``group_bytes``)
-        # is the collective size, as DDP's bucket size is. A bounded window (or autotune,
-        # which may bound it) needs the chunks: queued chunks are what priorities overtake.
-        lanes = scheduler.config
+        # Each layer group goes as one collective, unless the credit window is set in bytes
+        # (or autotune, which may set it): queued chunks are then what priorities overtake.
+        # Under a window of whole groups (``groups_in_flight``) the queued groups are, and
+        # with no window at all a group's chunks would go one after the other as soon as
+        # it is submitted, in the order the whole group would: cutting it changes no order
+        # and costs one more collective to issue per chunk (measured ~0.1-0.25 ms of host
+        # time each with NCCL). The layer group size (``group_bytes``) is then the
+        # collective size, as DDP's bucket size is.
+        lanes = config if scheduler is None else scheduler.config
         self.partition_bytes = None if lanes.credit_bytes or lanes.autotune else WHOLE
         self.buffer_group = None
         self.buffers = [b for b in module.buffers()]
@@ -130,6 +128,11 @@ class OverlapEngine:
             # another thread at times that differ between ranks.
             self.buffer_group = sibling_group(group)
         self._allocate()
+        if scheduler is None:
+            if observer is None and config.telemetry_dir:
+                observer = self.recorder = open_rank_recorder(config, self.groups[0].device)
+            scheduler = Scheduler(self._lane_config(config), observer, owns_groups=True)
+        self.scheduler = scheduler
         self._adopt_existing_grads()
         self._assign_owners()
 
@@ -144,6 +147,21 @@ class OverlapEngine:
         self._warned = set()
         self._hooks = []
         self._register_hooks(module_groups)
+
+    def _lane_config(self, config: Config) -> Config:
+        """The configuration of the engine's own scheduler: ``config``, with a credit window
+        of ``groups_in_flight`` times the largest group's buffer where ``config`` leaves
+        the window unbounded.
+
+        The first layers' group is reduced last in backward and needed first by the next
+        forward. With every group issued as soon as it is ready, it queues on the device
+        behind all the groups still running; under the window the later groups wait in the
+        lane instead, where its priority puts it first."""
+        n = config.groups_in_flight
+        if not self.windowed or not n or config.credit_bytes or config.autotune:
+            return config
+        largest = max(g.buffer.numel() * g.buffer.element_size() for g in self.groups)
+        return config.replace(credit_bytes=min(n * largest, _MAX_WINDOW))
 
     @property
     def whole_groups(self) -> bool:

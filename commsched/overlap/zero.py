@@ -57,6 +57,7 @@ class ZeroEngine(OverlapEngine):
     """Overlap mode with reduce-scatter, a sharded optimizer update and all-gather."""
 
     decompose = "rs_ag"
+    windowed = False    # groups_in_flight does not apply (measured for all-reduces only)
 
     @property
     def whole_groups(self) -> bool:

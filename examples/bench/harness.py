@@ -28,7 +28,8 @@ Measurement options:
 * ``--dp-sweep 0/0,32M/128M,0/0/128M,...`` adds one mode per PARTITION/CREDIT pair (or
   PARTITION/CREDIT/GROUP triple, GROUP the layer-group size) of the data-parallel mode
   (``commsched.wrap``), telemetry off: its settings compared within one launch, interleaved
-  with ``--rounds``, rather than across launches.
+  with ``--rounds``, rather than across launches. CREDIT 0 leaves the mode its window of
+  ``COMMSCHED_GROUPS_IN_FLIGHT`` layer groups (default 2).
 
 Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
 line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
@@ -586,6 +587,8 @@ def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     # unbounded credit window: the partition size does not apply then.
     whole = model._engine.whole_groups
     groups = len(model._engine.groups)
+    # The window its lane runs under: COMMSCHED_CREDIT_BYTES, or groups_in_flight groups.
+    window = model._engine.scheduler.config.credit_bytes
     try:
         times = bench.time(bench.train_step(model, optimizer),
                            quiesce=lambda: commsched.drain(model))
@@ -595,7 +598,8 @@ def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     finally:
         close_quietly(model, optimizer)
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
-            "optimizer_state_bytes": state, "whole_groups": whole, "layer_groups": groups}
+            "optimizer_state_bytes": state, "whole_groups": whole, "layer_groups": groups,
+            "credit_window_bytes": window}
 
 
 def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
@@ -650,6 +654,9 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_inline", "5g as 5, collectives issued by the autograd thread "
          "(COMMSCHED_DISPATCH=inline)", lambda bench: run_ddp_commsched(bench, dispatch="inline")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
+    Mode("commsched_dp_unbounded", "6e as 6, every layer group in flight at once "
+         "(COMMSCHED_GROUPS_IN_FLIGHT=0)",
+         lambda bench: run_commsched_dp(bench, groups_in_flight=0)),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
@@ -704,7 +711,7 @@ def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
         name = f"dpsweep_p{_short_bytes(partition)}_c{_short_bytes(credit)}"
         label = (f"6s data-parallel mode, partition "
                  f"{_short_bytes(partition) if partition else 'off'}, "
-                 f"credit {_short_bytes(credit) if credit else 'unbounded'}")
+                 f"credit {_short_bytes(credit) if credit else _group_window()}")
         overrides = {"partition_bytes": partition, "credit_bytes": credit}
         if group:
             name += f"_g{_short_bytes(group[0])}"
@@ -715,6 +722,12 @@ def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
             return run_commsched_dp(bench, **overrides)
         modes.append(Mode(name, label, run))
     return modes
+
+
+def _group_window() -> str:
+    """The data-parallel mode's window where the credit window is unbounded."""
+    n = benchlib.import_commsched().Config.from_env().groups_in_flight
+    return f"{n} layer group{'s' if n > 1 else ''}" if n else "unbounded"
 
 
 def mode_table(sweep: Sequence[Tuple[int, int]] = (),
@@ -1112,8 +1125,12 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
                      else f"partition {config['partition_bytes'] >> 10} KiB")
         if result.get("layer_groups"):
             partition = f"{result['layer_groups']} {partition}"
-        text = (f"{partition}, credit {config['credit_bytes'] >> 10} KiB, {config['policy']}, "
-                f"{config['decompose']}")
+        window = result.get("credit_window_bytes", config["credit_bytes"])
+        credit = f"credit {window >> 10} KiB"
+        if window != config["credit_bytes"]:
+            n = config["groups_in_flight"]
+            credit += f" ({n} layer group{'s' if n > 1 else ''} in flight)"
+        text = f"{partition}, {credit}, {config['policy']}, {config['decompose']}"
         if result.get("optimizer_state_bytes") is not None:
             text += f"; optimizer state {result['optimizer_state_bytes'] / 2**20:.0f} MiB/rank"
         return text
@@ -1162,7 +1179,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dp-sweep", default="",
                         help="comma-separated PARTITION/CREDIT byte pairs, as --sweep, or "
                              "PARTITION/CREDIT/GROUP triples (GROUP: layer-group size): one "
-                             "data-parallel mode (commsched.wrap) each, telemetry off")
+                             "data-parallel mode (commsched.wrap) each, telemetry off; "
+                             "CREDIT 0: the mode's window of COMMSCHED_GROUPS_IN_FLIGHT "
+                             "layer groups")
     parser.add_argument("--telemetry-root", default=None,
                         help="keep each telemetry-recording mode's run directory under this "
                              "directory (default: temporary directories)")

@@ -47,6 +47,8 @@ class Spec(NamedTuple):
     user_collective: bool = False   # the loop all-reduces the loss on the group every step
     set_to_none: bool = True        # zero_grad(set_to_none=...)
     per_rank_init: bool = False     # every rank initialises differently (see make_model)
+    credit: int = 1024              # Config.credit_bytes; 0: a window of whole layer groups
+    groups_in_flight: int = 2       # Config.groups_in_flight: that window, in groups
 
 
 class FusedLAMB(torch.optim.Adam):
@@ -276,7 +278,8 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         for p in inner.parameters():
             p.register_hook(lambda g: time.sleep(random.random() * 0.002))
     config = commsched.Config(decompose=spec.decompose, partition_bytes=256,
-                              credit_bytes=1024, dispatch=spec.dispatch)
+                              credit_bytes=spec.credit, dispatch=spec.dispatch,
+                              groups_in_flight=spec.groups_in_flight)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, wopt = wrap(inner, opt, config, group, group_bytes=0,
@@ -450,6 +453,11 @@ CASES_2 = {
     # a coupled optimizer (by name: update._COUPLED) is stepped once over the whole model
     "whole_model_fused_lamb": Spec(opt="fused_lamb"),
     "adamw_fused": Spec(opt="adamw_fused"),
+    # windows of whole layer groups (1, and the default 2), the others queued by priority
+    "group_window_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True, credit=0,
+                                groups_in_flight=1),
+    "group_window_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
+                                                          dispatch="thread", credit=0),
 }
 
 CASES_4 = {
@@ -464,4 +472,5 @@ CASES_4 = {
     # plain all-reduce (default decompose) with two more optimizers
     "sgd_momentum": Spec(opt="sgd"),
     "adamw_single": Spec(opt="adamw_single"),
+    "group_window_timing_rmsprop": Spec(model="branchy", opt="rmsprop", sleeps=True, credit=0),
 }

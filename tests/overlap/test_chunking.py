@@ -75,3 +75,35 @@ def test_groups_are_cut_only_under_a_credit_window(world1, credit):
         assert any(len(c) > 1 for c in chunks.values())
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("settings, groups", [({}, 2), ({"groups_in_flight": 1}, 1),
+                                              ({"groups_in_flight": 0}, 0)])
+def test_without_a_byte_window_whole_groups_go_under_a_window_of_layer_groups(
+        world1, settings, groups):
+    # The engine's own lane gets groups_in_flight times the largest group's buffer (its
+    # gradients and usage flags) as its credit window; the groups still go whole.
+    net = _net()
+    config = commsched.Config(partition_bytes=PARTITION, **settings)
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, group_bytes=0)
+    try:
+        engine = model._engine
+        largest = max(g.buffer.numel() * 4 for g in engine.groups)
+        assert largest == (64 * 64 + 64 + 2) * 4          # the 64x64 layer and its 2 flags
+        assert engine.scheduler.config.credit_bytes == groups * largest
+        assert engine.whole_groups
+        _train(model, opt)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("settings", [{"credit_bytes": 3 * PARTITION},
+                                      {"decompose": "rs_ag"}, {"autotune": True}])
+def test_a_byte_window_autotune_or_rs_ag_leave_the_window_of_groups_out(world1, settings):
+    net = _net()
+    config = commsched.Config(partition_bytes=PARTITION, **settings)
+    model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, group_bytes=0)
+    try:
+        assert model._engine.scheduler.config.credit_bytes == settings.get("credit_bytes", 0)
+    finally:
+        model.close()

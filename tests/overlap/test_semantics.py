@@ -96,3 +96,14 @@ def test_grad_scaler_skips_the_same_steps_as_ddp(two_ranks):
     _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
     for row in r["ranks"]:
         assert row["skipped"] == row["skipped_ref"] == [7]
+
+
+@pytest.mark.parametrize("name", ["group_window_timing",
+                                  "group_window_dispatch_thread_tied_accumulation"])
+def test_windows_of_whole_layer_groups_keep_results_equal_to_ddp(two_ranks, name):
+    # credit_bytes unset: one (groups_in_flight=1) or two (the default) whole layer groups
+    # in flight, the others queued and dispatched by priority; with random sleeps, or with
+    # a dispatch thread, shared parameters and no_sync accumulation
+    r = two_ranks[name]
+    _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
+    assert r["in_flight"] > 0
