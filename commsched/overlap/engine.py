@@ -129,9 +129,12 @@ class OverlapEngine:
             self.buffer_group = sibling_group(group)
         self._allocate()
         if scheduler is None:
+            lane_config = self._lane_config(config)
             if observer is None and config.telemetry_dir:
-                observer = self.recorder = open_rank_recorder(config, self.groups[0].device)
-            scheduler = Scheduler(self._lane_config(config), observer, owns_groups=True)
+                # (records the window the lane runs under)
+                observer = self.recorder = open_rank_recorder(lane_config,
+                                                              self.groups[0].device)
+            scheduler = Scheduler(lane_config, observer, owns_groups=True)
         self.scheduler = scheduler
         self._adopt_existing_grads()
         self._assign_owners()
