@@ -669,8 +669,8 @@ class _Lane:
                     f"may have died or the ranks issued different collectives"))
                 failed = self._take_failed_requests()
             if self.observer is not None:
-                self.observer.on_chunk(self._record(item[0], item[1], None, None,
-                                                    self.failure, time.time_ns()))
+                self.observer.on_chunk(self._record(chunk, step, self.failure,
+                                                    chunk.t_dispatch_ns, time.time_ns()))
             self._fail_futures(failed)
             return
 
@@ -853,10 +853,11 @@ class _Lane:
                 req = chunk.request
                 chunk.steps_done = step + 1
                 last = step == len(req.steps) - 1
+                # device start from the step's start event (timed), else its dispatch
+                t_start = (t_end - int(start.elapsed_time(end) * 1e6) if start is not None
+                           else chunk.t_dispatch_ns)
                 if error is None:
-                    self.link_cost.add(
-                        t_end - int(start.elapsed_time(end) * 1e6) if start is not None
-                        else chunk.t_dispatch_ns, t_end, chunk.nbytes if last else 0)
+                    self.link_cost.add(t_start, t_end, chunk.nbytes if last else 0)
                 if error is not None:
                     error = SchedulerError(
                         f"commsched: {req.steps[step]} of chunk {chunk.index}/"
@@ -880,7 +881,7 @@ class _Lane:
                         finished.append((req, chunk, step, None))
                         self.outstanding.pop(id(req), None)
                 if self.observer is not None or self.collecting:     # (autotune: rank 0)
-                    records.append((chunk, step, start, end, error, t_end))
+                    records.append((chunk, step, start, error, t_start, t_end))
             if self.failure is None:
                 self._pump()
             if self.failure is not None:
@@ -889,7 +890,8 @@ class _Lane:
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
         if records:
-            built = [self._record(*r) for r in records]
+            built = [self._record(chunk, step, error, t_start, t_end)
+                     for chunk, step, _, error, t_start, t_end in records]
             if self.on_chunks is not None:
                 self.on_chunks(built)
             elif self.observer is not None:
@@ -908,12 +910,8 @@ class _Lane:
             _settle_future(req.future, req.tensor, error)
         self._fail_futures(failed)
 
-    def _record(self, chunk: Chunk, step: int, start, end, error, t_end: int) -> ChunkRecord:
+    def _record(self, chunk: Chunk, step: int, error, t_start: int, t_end: int) -> ChunkRecord:
         req = chunk.request
-        if start is not None:
-            t_start = t_end - int(start.elapsed_time(end) * 1e6)
-        else:
-            t_start = chunk.t_dispatch_ns
         name = req.steps[step]
         # A step on a topology sub-group ("op:role") ran among that sub-group's ranks.
         ranks = self.ranks if ":" not in name else self.topology.members[name.split(":")[1]]
