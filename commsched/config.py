@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS"]
+__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES"]
 
 
 class ConfigError(ValueError):
@@ -36,8 +36,9 @@ _BYTE_UNITS = {
 # 5000-digit string raises ValueError, not a ConfigError).
 _BYTES_RE = re.compile(r"^\s*([0-9]{1,16})\s*([a-zA-Z]*)\s*$", re.ASCII)
 _INT_RE = re.compile(r"^\s*([0-9]{1,12})\s*$", re.ASCII)
-# Far above any gradient bucket; guards against typos such as 4000GiB.
-_MAX_BYTES = 1 << 40
+# Far above any gradient bucket; guards against typos such as 4000GiB. Every byte field's
+# upper bound.
+MAX_BYTES = 1 << 40
 
 
 def parse_bytes(text: str, name: str) -> int:
@@ -54,12 +55,12 @@ def parse_bytes(text: str, name: str) -> int:
             f"{name}={text!r}: expected a byte count such as 4194304, 4MiB, 512KiB, 1GiB or inf"
         )
     value = int(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
-    if value > _MAX_BYTES:
+    if value > MAX_BYTES:
         raise ConfigError(f"{name}={text!r}: {value} bytes is larger than the 1 TiB limit")
     return value
 
 
-def _env(var: str, help: str, minimum: int = 0, maximum: int = 1 << 40,
+def _env(var: str, help: str, minimum: int = 0, maximum: int = MAX_BYTES,
          zero: str = "") -> dict:
     """Field metadata. ``zero``, for a byte count: what 0 means where that is not
     "unbounded"; ``inf`` is then refused rather than read as 0."""
@@ -324,7 +325,7 @@ def _choice(var: str, raw: str, choices) -> str:
     return value
 
 
-def _check_int(name: str, value, minimum: int, maximum: int = 1 << 40) -> None:
+def _check_int(name: str, value, minimum: int, maximum: int = MAX_BYTES) -> None:
     if (isinstance(value, bool) or not isinstance(value, int)
             or not minimum <= value <= maximum):
         raise ConfigError(f"{name}={value!r}: expected an integer from {minimum} to {maximum}")

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from commsched.config import Config
+from commsched.config import MAX_BYTES, Config
 from commsched.scheduler import Scheduler
 from commsched.telemetry import open_rank_recorder
 
@@ -57,7 +57,6 @@ class OverlapWarning(UserWarning):
 
 _UPDATE, _ZERO = "update", "zero"
 WHOLE = 0       # Scheduler.submit(partition_bytes=WHOLE): the request goes as one chunk
-_MAX_WINDOW = 1 << 40       # Config.credit_bytes' upper bound
 
 
 class OverlapEngine:
@@ -164,7 +163,7 @@ class OverlapEngine:
         if not self.windowed or not n or config.credit_bytes or config.autotune:
             return config
         largest = max(g.buffer.numel() * g.buffer.element_size() for g in self.groups)
-        return config.replace(credit_bytes=min(n * largest, _MAX_WINDOW))
+        return config.replace(credit_bytes=min(n * largest, MAX_BYTES))
 
     @property
     def whole_groups(self) -> bool:

@@ -727,7 +727,11 @@ def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
 def _group_window() -> str:
     """The data-parallel mode's window where the credit window is unbounded."""
     n = benchlib.import_commsched().Config.from_env().groups_in_flight
-    return f"{n} layer group{'s' if n > 1 else ''}" if n else "unbounded"
+    return _layer_groups(n) if n else "unbounded"
+
+
+def _layer_groups(n: int) -> str:
+    return f"{n} layer group{'s' if n > 1 else ''}"
 
 
 def mode_table(sweep: Sequence[Tuple[int, int]] = (),
@@ -1128,8 +1132,7 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
         window = result.get("credit_window_bytes", config["credit_bytes"])
         credit = f"credit {window >> 10} KiB"
         if window != config["credit_bytes"]:
-            n = config["groups_in_flight"]
-            credit += f" ({n} layer group{'s' if n > 1 else ''} in flight)"
+            credit += f" ({_layer_groups(config['groups_in_flight'])} in flight)"
         text = f"{partition}, {credit}, {config['policy']}, {config['decompose']}"
         if result.get("optimizer_state_bytes") is not None:
             text += f"; optimizer state {result['optimizer_state_bytes'] / 2**20:.0f} MiB/rank"
