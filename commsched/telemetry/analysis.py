@@ -18,6 +18,11 @@ compute
     iteration time - exposed comm.
 overlap %
     ``100 * (1 - exposed / comm)``: the share of the communication hidden behind compute.
+link idle
+    Time in the iteration when no collective of any lane or iteration was on the device:
+    where a communication-bound run loses time. The widest such gap is named by the
+    collectives around it (``lane/request#chunk``): the one that ended last before it and
+    the one that started after it, either possibly outside the iteration.
 bus bandwidth
     Sum over chunk steps of ``bytes * factor(op, n)`` divided by comm time, with
     factor ``2(n-1)/n`` for all_reduce and ``(n-1)/n`` for reduce_scatter / all_gather.
@@ -51,6 +56,9 @@ DEFINITIONS = {
                        "max over lanes (upper bound in overlap mode)",
     "compute_ms": "iteration_ms - exposed_comm_ms",
     "overlap_pct": "100 * (1 - exposed_comm_ms / comm_ms)",
+    "link_idle_ms": "time in the iteration with no collective of any lane on the device",
+    "widest_gap_ms": "the longest such stretch; widest_gap_at_ms: its start after the "
+                     "iteration's; widest_gap_after / _before: the collectives around it",
     "busbw_gbps": "sum(bytes * factor) / comm time; factor 2(n-1)/n all_reduce, (n-1)/n "
                   "reduce_scatter and all_gather",
     "nvlink_tx_gbps": "NVLink DATA TX bytes between the samples taken at the iteration's "
@@ -78,6 +86,10 @@ class RankData:
     health: Dict[int, List[dict]] = field(default_factory=dict)          # per link, by time
     health_times: Dict[int, List[int]] = field(default_factory=dict)
     speed_gbps: Optional[float] = None     # sum of active link speeds
+    # union of every collective's device interval: [start, end, first label, last label]
+    # (the collectives that opened it and that ended it last), in time order
+    busy: List[list] = field(default_factory=list)
+    busy_starts: List[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, run: RunData, rank: int) -> "RankData":
@@ -103,7 +115,42 @@ class RankData:
         speeds = [t["speed_mbps"] for t in run.rows("intra_node_topo", rank)
                   if t["state"] == 1 and t["speed_mbps"]]
         data.speed_gbps = sum(speeds) / 1000.0 if speeds else None
+        spans = sorted((c["t_start_ns"], c["t_end_ns"],
+                        f"{c['lane']}/{c['request_key']}#{c['chunk_index']}")
+                       for c in run.rows("comm_ops", rank)
+                       if c["ok"] and c["t_start_ns"] is not None and c["t_end_ns"] is not None
+                       and c["t_end_ns"] >= c["t_start_ns"])
+        for start, end, label in spans:
+            if data.busy and start <= data.busy[-1][1]:
+                if end > data.busy[-1][1]:
+                    data.busy[-1][1], data.busy[-1][3] = end, label
+            else:
+                data.busy.append([start, end, label, label])
+        data.busy_starts = [b[0] for b in data.busy]
         return data
+
+    def link_gaps(self, t0: int, t1: int) -> Tuple[int, Optional[tuple]]:
+        """Link idle time in [t0, t1] (no collective on the device) and its widest gap, as
+        (start, end, collective that ended last before it, collective that started after
+        it); the labels are None where there is none."""
+        busy, idle, widest = self.busy, 0, None
+        cursor, after = t0, None
+        j = bisect.bisect_right(self.busy_starts, t0) - 1
+        if j >= 0:
+            cursor, after = min(max(busy[j][1], t0), t1), busy[j][3]
+        j += 1
+        while cursor < t1:
+            nxt = busy[j] if j < len(busy) else None
+            gap_end = t1 if nxt is None else min(nxt[0], t1)
+            if gap_end > cursor:
+                idle += gap_end - cursor
+                if widest is None or gap_end - cursor > widest[1] - widest[0]:
+                    widest = (cursor, gap_end, after, None if nxt is None else nxt[2])
+            if nxt is None or nxt[0] >= t1:
+                break
+            cursor, after = min(nxt[1], t1), nxt[3]
+            j += 1
+        return idle, widest
 
     def link_bytes(self, link: int, t0: int, t1: int, at_boundaries: bool = False
                    ) -> Tuple[Optional[int], Optional[int]]:
@@ -219,6 +266,7 @@ def iteration_rows(data: RankData) -> List[dict]:
                 if link >= 0:
                     links[link] = data.link_bytes(link, w0, w1, marked)[0]
         tx_gbps = tx / comm_ns if tx is not None and comm_ns else None
+        idle_ns, gap = data.link_gaps(t0, t1) if t1 is not None else (None, None)
         rows.append({
             "rank": data.rank, "iteration": k, "t_begin_ns": t0, "t_end_ns": t1,
             "iteration_ms": _ms(iter_ns),
@@ -227,6 +275,11 @@ def iteration_rows(data: RankData) -> List[dict]:
             "comm_ms": _ms(comm_ns), "exposed_comm_ms": _ms(exposed_ns),
             "overlap_pct": (max(0.0, min(100.0, 100.0 * (1 - exposed_ns / comm_ns)))
                             if comm_ns and exposed_ns is not None else None),
+            "link_idle_ms": _ms(idle_ns),
+            "widest_gap_ms": _ms(gap[1] - gap[0]) if gap else None,
+            "widest_gap_at_ms": _ms(gap[0] - t0) if gap else None,
+            "widest_gap_after": gap[2] if gap else None,
+            "widest_gap_before": gap[3] if gap else None,
             "bytes": sum(m["nbytes"] or 0 for m in members),
             "chunk_steps": len(chunks),
             "lane_iterations": [f"{m['lane']}:{m['iteration']}" for m in members],
@@ -255,12 +308,28 @@ def summarize(rows: List[dict]) -> dict:
         "iteration_ms_median": med("iteration_ms"), "compute_ms_median": med("compute_ms"),
         "comm_ms_median": med("comm_ms"), "exposed_comm_ms_median": med("exposed_comm_ms"),
         "overlap_pct_median": med("overlap_pct"), "busbw_gbps_median": med("busbw_gbps"),
+        "link_idle_ms_median": med("link_idle_ms"), "widest_gap_ms_median": med("widest_gap_ms"),
+        "widest_gap_usual": _usual_gap(rows),
         "nvlink_tx_gbps_median": med("nvlink_tx_gbps"),
         "bytes_total": sum(r["bytes"] for r in rows),
         "nvlink_tx_bytes_total": (None if all(r["nvlink_tx_bytes"] is None for r in rows)
                                   else sum(r["nvlink_tx_bytes"] or 0 for r in rows)),
         "incomplete_iterations": sum(1 for r in rows if not r["complete"]),
     }
+
+
+def _usual_gap(rows: List[dict]) -> Optional[dict]:
+    """The collectives most often around the iterations' widest link gap, and how often."""
+    pairs: Dict[Tuple[Optional[str], Optional[str]], int] = {}
+    for r in rows:
+        if r["widest_gap_ms"] is not None:
+            key = (r["widest_gap_after"], r["widest_gap_before"])
+            pairs[key] = pairs.get(key, 0) + 1
+    if not pairs:
+        return None
+    (after, before), count = max(pairs.items(), key=lambda kv: kv[1])
+    return {"after": after, "before": before, "iterations": count,
+            "of": sum(pairs.values())}
 
 
 def find_outliers(rows: List[dict]) -> List[dict]:

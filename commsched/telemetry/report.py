@@ -78,8 +78,8 @@ def format_text(report: dict) -> str:
             f"GPU {r['gpu_name'] or '-'}; NVML: {r['nvml_status']}"
             + (f" ({r['nvml_detail']})" if r.get("nvml_detail") else ""))
     header = (f"{'iter':>6} {'iter ms':>9} {'compute':>9} {'comm ms':>9} {'exposed':>9} "
-              f"{'overlap%':>9} {'MB':>9} {'busbw':>9} {'NVL tx':>9} {'NVL rx':>9} "
-              f"{'util%':>7}")
+              f"{'overlap%':>9} {'idle ms':>9} {'gap ms':>9} {'MB':>9} {'busbw':>9} "
+              f"{'NVL tx':>9} {'NVL rx':>9} {'util%':>7}")
     for rank, summary in report["summary"].items():
         rows = [r for r in report["rows"] if str(r["rank"]) == rank]
         lines += ["", f"rank {rank}: per iteration (GB/s for bandwidths)", header]
@@ -87,7 +87,8 @@ def format_text(report: dict) -> str:
             lines.append(
                 f"{r['iteration']:>6} {_fmt(r['iteration_ms'])} {_fmt(r['compute_ms'])} "
                 f"{_fmt(r['comm_ms'])} {_fmt(r['exposed_comm_ms'])} "
-                f"{_fmt(r['overlap_pct'], '.1f')} {_fmt(r['bytes'] / 1e6)} "
+                f"{_fmt(r['overlap_pct'], '.1f')} {_fmt(r['link_idle_ms'])} "
+                f"{_fmt(r['widest_gap_ms'])} {_fmt(r['bytes'] / 1e6)} "
                 f"{_fmt(r['busbw_gbps'])} {_fmt(r['nvlink_tx_gbps'])} "
                 f"{_fmt(r['nvlink_rx_gbps'])} "
                 f"{_fmt(None if r['nvlink_util'] is None else 100 * r['nvlink_util'], '.1f', 7)}"
@@ -105,6 +106,13 @@ def format_text(report: dict) -> str:
             f"{s['bytes_total'] / 1e6:.1f} MB communicated"
             + (f"; {s['incomplete_iterations']} incomplete" if s["incomplete_iterations"]
                else ""))
+        gap = s["widest_gap_usual"]
+        if gap is not None:
+            lines.append(
+                f"link idle: median {_fmt(s['link_idle_ms_median'], '.2f', 0)} ms per "
+                f"iteration, widest gap median {_fmt(s['widest_gap_ms_median'], '.2f', 0)} ms; "
+                f"in {gap['iterations']} of {gap['of']} iterations the widest gap came after "
+                f"{gap['after'] or 'the start'} and before {gap['before'] or 'the end'}")
         if s["nvlink_tx_bytes_total"] == 0 and s["bytes_total"] > 0:
             lines.append("note: NVLink sent nothing while the collectives moved "
                          f"{s['bytes_total'] / 1e6:.1f} MB: their traffic took another path "

@@ -43,6 +43,29 @@ def test_normal_iteration_values(result):
     assert r["link_tx_bytes"] == {0: 2048 * 1024, 1: 2048 * 1024}
 
 
+@pytest.mark.parametrize("k, idle, widest, at", [
+    (1, 60, 40, 60),        # chunks 20..60 of 100 ms: idle 0..20 and 60..100
+    (5, 110, 70, 0),        # chunks 70..110 of 150 ms
+    (7, 60, 40, 110),       # chunks 20..110 of 150 ms
+    (0, 60, 40, 60)])       # the first iteration, from the run start
+def test_link_idle_time_and_widest_gap(result, k, idle, widest, at):
+    r = row(result, 0, k)
+    assert r["link_idle_ms"] == pytest.approx(idle)
+    assert r["widest_gap_ms"] == pytest.approx(widest)
+    assert r["widest_gap_at_ms"] == pytest.approx(at)
+    # named by the collectives around it, in this iteration or the neighbouring one
+    assert (r["widest_gap_after"], r["widest_gap_before"]) == ("g0/bucket0#3", "g0/bucket0#0")
+
+
+def test_the_last_iterations_widest_gap_has_no_collective_after_it(result):
+    r = row(result, 0, 9)
+    assert (r["widest_gap_after"], r["widest_gap_before"]) == ("g0/bucket0#3", None)
+    s = result["summary"][0]
+    assert s["link_idle_ms_median"] == pytest.approx(60)
+    assert s["widest_gap_usual"] == {"after": "g0/bucket0#3", "before": "g0/bucket0#0",
+                                     "iterations": 9, "of": 10}
+
+
 def test_first_iteration_starts_at_the_run_start(result):
     r = row(result, 1, 0)
     assert r["iteration_ms"] == pytest.approx(100)
@@ -88,6 +111,9 @@ def test_cli_text(run_dir, capsys):
     out = capsys.readouterr().out
     assert "rank 0: per iteration" in out and "rank 1: per iteration" in out
     assert "communication library" in out and "hardware" in out
+    assert ("link idle: median 60.00 ms per iteration, widest gap median 40.00 ms; in 9 of "
+            "10 iterations the widest gap came after g0/bucket0#3 and before g0/bucket0#0"
+            in out)
 
 
 def test_text_says_why_nvlink_reads_zero_only_when_it_carried_nothing(run_dir, tmp_path,
