@@ -42,7 +42,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .metrics import KIB, boundary_indices, bracket, median, outlier_threshold, union_ns
+from .metrics import (KIB, boundary_indices, bracket, median, merge_intervals, outlier_threshold,
+                      union_ns)
 from .store import RunData
 
 __all__ = ["DEFINITIONS", "RankData", "iteration_rows", "summarize", "find_outliers",
@@ -115,17 +116,10 @@ class RankData:
         speeds = [t["speed_mbps"] for t in run.rows("intra_node_topo", rank)
                   if t["state"] == 1 and t["speed_mbps"]]
         data.speed_gbps = sum(speeds) / 1000.0 if speeds else None
-        spans = sorted((c["t_start_ns"], c["t_end_ns"],
-                        f"{c['lane']}/{c['request_key']}#{c['chunk_index']}")
-                       for c in run.rows("comm_ops", rank)
-                       if c["ok"] and c["t_start_ns"] is not None and c["t_end_ns"] is not None
-                       and c["t_end_ns"] >= c["t_start_ns"])
-        for start, end, label in spans:
-            if data.busy and start <= data.busy[-1][1]:
-                if end > data.busy[-1][1]:
-                    data.busy[-1][1], data.busy[-1][3] = end, label
-            else:
-                data.busy.append([start, end, label, label])
+        data.busy = merge_intervals(
+            (c["t_start_ns"], c["t_end_ns"], f"{c['lane']}/{c['request_key']}#{c['chunk_index']}")
+            for c in run.rows("comm_ops", rank)
+            if c["ok"] and c["t_start_ns"] is not None and c["t_end_ns"] is not None)
         data.busy_starts = [b[0] for b in data.busy]
         return data
 

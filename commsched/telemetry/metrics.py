@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "bus_factor", "algbw_gbps", "busbw_gbps", "union_ns", "value_at", "delta_interpolated",
+    "bus_factor", "algbw_gbps", "busbw_gbps", "union_ns", "merge_intervals", "value_at", "delta_interpolated",
     "bracket", "boundary_indices", "median", "mad", "outlier_threshold", "KIB",
 ]
 
@@ -58,20 +58,24 @@ def union_ns(intervals: Iterable[Tuple[int, int]]) -> int:
     Chunks of one iteration overlap in time (the credit window keeps several in flight), so
     their durations must not be summed: the union is the time the lane was communicating.
     """
-    total = 0
-    cur_start = cur_end = None
-    for start, end in sorted(intervals):
+    return sum(end - start for start, end, _, _ in
+               merge_intervals((start, end, None) for start, end in intervals))
+
+
+def merge_intervals(spans: Iterable[Tuple[int, int, object]]) -> List[list]:
+    """The union of ``(start, end, label)`` intervals as disjoint ``[start, end, first,
+    last]`` in time order: ``first`` labels the interval that opened it, ``last`` the one
+    that ended it. Intervals with ``end < start`` are ignored."""
+    merged: List[list] = []
+    for start, end, label in sorted(spans, key=lambda s: (s[0], s[1])):
         if end < start:
             continue
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, label
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+            merged.append([start, end, label, label])
+    return merged
 
 
 # --- cumulative counters -------------------------------------------------------------------
