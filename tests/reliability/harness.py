@@ -23,6 +23,7 @@ import importlib
 import io
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -168,6 +169,11 @@ PRELOAD = ["commsched.run", "commsched.cli", "commsched.telemetry",
            "reliability.children"]
 _ctx = None
 _ctx_lock = threading.Lock()
+# A forkserver child's exit status is 4 bytes on its sentinel pipe, and whoever polls first
+# consumes them: a second poller meanwhile reads EOF and records 255. Process.start() polls
+# every live child (multiprocessing's _cleanup), so with children started and awaited from
+# several threads, every start() and every poll goes through this lock.
+_status_lock = threading.Lock()
 
 
 def _context():
@@ -244,8 +250,8 @@ def _child(entry: str, args: tuple, env: Optional[Dict[str, str]], cwd: str, out
                 stream.flush()
             except BaseException:
                 pass
-        # The exit status also goes to a file: multiprocessing reports 255 when it loses
-        # the fork server's message about a child, which happened under heavy load.
+        # The exit status also goes to a file, a second record of what the fork server
+        # reports (a child killed by a signal writes none).
         try:
             with open(out + ".rc", "w") as f:
                 f.write(str(code))
@@ -271,6 +277,15 @@ class Forked:
     def stdout_text(self) -> str:
         return self._read(self.out)
 
+    def alive(self) -> bool:
+        with _status_lock:
+            return self.process.is_alive()
+
+    def _join(self, timeout: float) -> None:
+        multiprocessing.connection.wait([self.process.sentinel], timeout)
+        with _status_lock:
+            self.process.join(0)
+
     def kill(self) -> None:
         """SIGKILL the child and everything in its process group."""
         try:
@@ -279,13 +294,14 @@ class Forked:
             self.process.kill()
 
     def wait(self, timeout: float) -> Result:
-        self.process.join(timeout)
-        timed_out = self.process.is_alive()
+        self._join(timeout)
+        timed_out = self.alive()
         if timed_out:
             self.kill()
-            self.process.join(30)
+            self._join(30)
             count_hang()
-        rc = self.process.exitcode
+        with _status_lock:
+            rc = self.process.exitcode
         written = self._read(self.out + ".rc")
         if written and not timed_out and (rc is None or rc >= 0):
             rc = int(written)           # what the child passed to os._exit
@@ -304,7 +320,7 @@ def _kill_leftovers() -> None:
     """A test that failed half-way may leave a child running: kill it, or multiprocessing
     would wait for it at exit (these children are not daemons)."""
     for child in list(_live):
-        if child.process.is_alive():
+        if child.alive():
             child.kill()
 
 
@@ -317,7 +333,8 @@ def start_forked(entry: str, *args, env: Optional[Dict[str, str]] = None,
     env = clean_env() if env is None else env
     # Not a daemon: `commsched demo` starts processes of its own.
     p = _context().Process(target=_child, args=(entry, args, env, cwd or tmp, out, err, limits))
-    p.start()
+    with _status_lock:
+        p.start()
     argv = [entry, *(args[0] if entry in ENTRIES else args)]
     child = Forked(argv, p, out, err, tmp)
     _live.add(child)

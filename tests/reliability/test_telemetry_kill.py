@@ -32,7 +32,7 @@ def _kill_run(tmp_path, k: int) -> dict:
     try:
         deadline = time.monotonic() + 60
         while not child.stdout_text().startswith("open\n"):
-            assert child.process.is_alive(), child.wait(1).describe()
+            assert child.alive(), child.wait(1).describe()
             assert time.monotonic() < deadline, "the recorder did not open within 60 s"
             time.sleep(0.01)
         time.sleep(delay)
