@@ -15,7 +15,8 @@ def _torchrun(env_overrides, *extra):
            "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
            "-m", "commsched.run", SCRIPT, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The head has what the ranks printed; the tail, torchrun's summary of who failed.
+    assert proc.returncode == 0, proc.stderr[:2000] + "\n[...]\n" + proc.stderr[-2000:]
     lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("rank="))
     assert len(lines) == 2, proc.stdout + proc.stderr[-2000:]
     return lines
