@@ -68,14 +68,20 @@ def is_number(value) -> bool:
 
 
 @pytest.fixture(scope="module")
-def harness_run(tmp_path_factory):
+def harness_tmpdir(tmp_path_factory):
+    """TMPDIR of the harness run: what its modes leave behind."""
+    return tmp_path_factory.mktemp("bench_tmpdir")
+
+
+@pytest.fixture(scope="module")
+def harness_run(tmp_path_factory, harness_tmpdir):
     out = tmp_path_factory.mktemp("bench") / "harness.json"
     # Every mode but the ones that only vary another's settings (kept out for CI time).
     modes = [m for m in ALL_MODES if m != "bound" and m not in VARIANT_MODES]
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--timeout", "200",
                                      "--modes", ",".join(modes), "--out", str(out)],
-                      timeout=240)
+                      timeout=240, env={"TMPDIR": str(harness_tmpdir)})
     document = json.loads(out.read_text()) if out.exists() else None
     return proc, document
 
@@ -166,6 +172,15 @@ def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harn
     assert window > 0 and modes["commsched_dp_zero"]["credit_window_bytes"] == 0
     [row] = [r for r in rows if f"| {labels['commsched_dp']} |" in r]
     assert f"credit {window >> 10} KiB (2 layer groups in flight)" in row, row
+
+
+def test_harness_removes_the_temporary_telemetry_of_its_modes(harness_run, harness_tmpdir):
+    proc, document = harness_run
+    assert proc.returncode == 0, explain(proc)
+    modes = document["launches"][0]["runs"][0]["modes"]
+    recorded = ("ddp_commsched_telemetry", "ddp_commsched_autotune")
+    assert all(modes[name]["status"] == "ok" for name in recorded), explain(proc)
+    assert sorted(p.name for p in harness_tmpdir.glob("commsched-bench-*")) == []
 
 
 def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):

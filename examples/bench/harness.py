@@ -44,6 +44,7 @@ import gc
 import json
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -295,12 +296,15 @@ class Bench:
         self.probe: Optional[PhaseProbe] = None     # BENCH_PHASES, while timed steps run
         self.phases: Optional[Dict[str, Dict[str, float]]] = None
         self.threads: Optional[Dict[str, Dict[str, float]]] = None
+        self.scratch: List[str] = []    # temporary telemetry directories of the current mode
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
-        directory per round), else a temporary directory."""
+        directory per round), else a temporary directory, removed once the mode ended."""
         if not self.telemetry_root:
-            return tempfile.mkdtemp(prefix=f"commsched-bench-{mode_name}-")
+            path = tempfile.mkdtemp(prefix=f"commsched-bench-{mode_name}-")
+            self.scratch.append(path)
+            return path
         base = Path(self.telemetry_root) / f"{self.regime}_w{self.world_size}_{mode_name}"
         path, n = base, 1
         while path.exists():  # another round of the same mode
@@ -862,6 +866,9 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     if memory_dir:
         dump_memory_history(bench, Path(memory_dir), baseline)
     gc.collect()
+    for path in bench.scratch:      # the mode closed its recorder, or failed
+        shutil.rmtree(path, ignore_errors=True)
+    bench.scratch.clear()
     peak = torch.cuda.max_memory_allocated(bench.device) if bench.cuda else 0
     if bench.cuda:
         torch.cuda.empty_cache()
