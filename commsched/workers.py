@@ -10,7 +10,9 @@ ends such a process without finalizing the interpreter: nothing is left for the 
 hit, and the exit status stays 0.
 
 It is for processes that exist only to run one rank (``torch.multiprocessing`` workers: the
-demo, the benchmarks, the tests); a training script launched by ``torchrun`` ends as usual.
+demo, the benchmarks, the tests). A training script launched by ``torchrun`` ends as usual
+unless it calls it itself; with gloo it meets the same race (the launcher test's script
+ends this way).
 """
 
 from __future__ import annotations
