@@ -250,13 +250,6 @@ def _child(entry: str, args: tuple, env: Optional[Dict[str, str]], cwd: str, out
                 stream.flush()
             except BaseException:
                 pass
-        # The exit status also goes to a file, a second record of what the fork server
-        # reports (a child killed by a signal writes none).
-        try:
-            with open(out + ".rc", "w") as f:
-                f.write(str(code))
-        except BaseException:
-            pass
         os._exit(code)
 
 
@@ -302,9 +295,6 @@ class Forked:
             count_hang()
         with _status_lock:
             rc = self.process.exitcode
-        written = self._read(self.out + ".rc")
-        if written and not timed_out and (rc is None or rc >= 0):
-            rc = int(written)           # what the child passed to os._exit
         r = Result(self.argv, rc, self.stdout_text(), self._read(self.err), timed_out,
                    time.monotonic() - self.t0)
         _live.discard(self)
