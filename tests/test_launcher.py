@@ -8,12 +8,13 @@ import sys
 SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "scripts", "train_ddp.py")
 
 
-def _torchrun(env_overrides, *extra):
+def _torchrun(log_dir, env_overrides, *extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
     env.update(env_overrides)
+    # --log-dir: torchrun's per-launch directory goes there, not to a fresh one in /tmp.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-           "-m", "commsched.run", SCRIPT, *extra]
+           "--log-dir", str(log_dir), "-m", "commsched.run", SCRIPT, *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     # The head has what the ranks printed; the tail, torchrun's summary of who failed.
     assert proc.returncode == 0, proc.stderr[:2000] + "\n[...]\n" + proc.stderr[-2000:]
@@ -26,14 +27,14 @@ def _field(line, name):
     return re.search(rf"{name}=(\[.*?\]|\S+)", line).group(1)
 
 
-def test_off_leaves_ddp_untouched_and_on_registers_the_hook():
-    off = _torchrun({"COMMSCHED": "0"}, "--lr", "0.1")
+def test_off_leaves_ddp_untouched_and_on_registers_the_hook(tmp_path):
+    off = _torchrun(tmp_path, {"COMMSCHED": "0"}, "--lr", "0.1")
     for line in off:
         assert _field(line, "hooks") == "[]"
         assert _field(line, "patched") == "False"
         assert "argv=['--lr', '0.1']" in line          # arguments reach the script
-    on = _torchrun({"COMMSCHED": "1", "COMMSCHED_PARTITION_BYTES": "1KiB",
-                    "COMMSCHED_CREDIT_BYTES": "4KiB"})
+    on = _torchrun(tmp_path, {"COMMSCHED": "1", "COMMSCHED_PARTITION_BYTES": "1KiB",
+                              "COMMSCHED_CREDIT_BYTES": "4KiB"})
     for line in on:
         assert _field(line, "hooks") == "['commsched.hooks.ddp.CommschedState']"
         assert _field(line, "patched") == "True"
