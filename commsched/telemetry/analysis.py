@@ -60,6 +60,12 @@ DEFINITIONS = {
     "link_idle_ms": "time in the iteration with no collective of any lane on the device",
     "widest_gap_ms": "the longest such stretch; widest_gap_at_ms: its start after the "
                      "iteration's; widest_gap_after / _before: the collectives around it",
+    "idle_unsubmitted_ms": "link idle time split by where the collective that ended each "
+                           "stretch was: not yet submitted (the application had not handed "
+                           "its gradients over; also a stretch no collective ended); "
+                           "idle_queued_ms: submitted, not yet issued (priority order, credit "
+                           "window, dispatch latency); idle_issued_ms: issued, not yet "
+                           "started on the device (its stream behind other work)",
     "busbw_gbps": "sum(bytes * factor) / comm time; factor 2(n-1)/n all_reduce, (n-1)/n "
                   "reduce_scatter and all_gather",
     "nvlink_tx_gbps": "NVLink DATA TX bytes between the samples taken at the iteration's "
@@ -87,8 +93,8 @@ class RankData:
     health: Dict[int, List[dict]] = field(default_factory=dict)          # per link, by time
     health_times: Dict[int, List[int]] = field(default_factory=dict)
     speed_gbps: Optional[float] = None     # sum of active link speeds
-    # union of every collective's device interval: [start, end, first label, last label]
-    # (the collectives that opened it and that ended it last), in time order
+    # union of every collective's device interval: [start, end, first, last] (the
+    # comm_ops rows of the collectives that opened it and that ended it last), in time order
     busy: List[list] = field(default_factory=list)
     busy_starts: List[int] = field(default_factory=list)
 
@@ -117,17 +123,18 @@ class RankData:
                   if t["state"] == 1 and t["speed_mbps"]]
         data.speed_gbps = sum(speeds) / 1000.0 if speeds else None
         data.busy = merge_intervals(
-            (c["t_start_ns"], c["t_end_ns"], f"{c['lane']}/{c['request_key']}#{c['chunk_index']}")
-            for c in run.rows("comm_ops", rank)
+            (c["t_start_ns"], c["t_end_ns"], c) for c in run.rows("comm_ops", rank)
             if c["ok"] and c["t_start_ns"] is not None and c["t_end_ns"] is not None)
         data.busy_starts = [b[0] for b in data.busy]
         return data
 
-    def link_gaps(self, t0: int, t1: int) -> Tuple[int, Optional[tuple]]:
-        """Link idle time in [t0, t1] (no collective on the device) and its widest gap, as
+    def link_gaps(self, t0: int, t1: int) -> Tuple[int, Optional[tuple], List[int]]:
+        """Link idle time in [t0, t1] (no collective on the device); its widest gap, as
         (start, end, collective that ended last before it, collective that started after
-        it); the labels are None where there is none."""
-        busy, idle, widest = self.busy, 0, None
+        it), comm_ops rows or None where there is none; and the idle time split by where
+        the collective that ended each gap was meanwhile: [not yet submitted, queued,
+        issued] (see ``_split_gap``)."""
+        busy, idle, widest, split = self.busy, 0, None, [0, 0, 0]
         cursor, after = t0, None
         j = bisect.bisect_right(self.busy_starts, t0) - 1
         if j >= 0:
@@ -138,13 +145,14 @@ class RankData:
             gap_end = t1 if nxt is None else min(nxt[0], t1)
             if gap_end > cursor:
                 idle += gap_end - cursor
+                _split_gap(cursor, gap_end, None if nxt is None else nxt[2], split)
                 if widest is None or gap_end - cursor > widest[1] - widest[0]:
                     widest = (cursor, gap_end, after, None if nxt is None else nxt[2])
             if nxt is None or nxt[0] >= t1:
                 break
             cursor, after = min(nxt[1], t1), nxt[3]
             j += 1
-        return idle, widest
+        return idle, widest, split
 
     def link_bytes(self, link: int, t0: int, t1: int, at_boundaries: bool = False
                    ) -> Tuple[Optional[int], Optional[int]]:
@@ -184,6 +192,24 @@ class RankData:
                 if b[counter] is not None and a[counter] is not None and a[counter] > b[counter]:
                     out.append(f"link {link}: {counter} errors +{a[counter] - b[counter]}")
         return out
+
+
+def _split_gap(g0: int, g1: int, nxt: Optional[dict], split: List[int]) -> None:
+    """Add the link gap [g0, g1) to ``split`` by what ``nxt``, the collective that started
+    after it (None: none did), was doing: [not yet submitted, submitted but not yet issued,
+    issued but not yet started on the device]."""
+    if nxt is None:
+        split[0] += g1 - g0
+        return
+    submitted = min(max(nxt["t_submit_ns"], g0), g1)
+    issued = min(max(nxt["t_dispatch_ns"], submitted), g1)
+    split[0] += submitted - g0
+    split[1] += issued - submitted
+    split[2] += g1 - issued
+
+
+def _label(c: Optional[dict]) -> Optional[str]:
+    return None if c is None else f"{c['lane']}/{c['request_key']}#{c['chunk_index']}"
 
 
 def _windows(data: RankData) -> List[Tuple[int, int, Optional[int], List[dict]]]:
@@ -260,7 +286,8 @@ def iteration_rows(data: RankData) -> List[dict]:
                 if link >= 0:
                     links[link] = data.link_bytes(link, w0, w1, marked)[0]
         tx_gbps = tx / comm_ns if tx is not None and comm_ns else None
-        idle_ns, gap = data.link_gaps(t0, t1) if t1 is not None else (None, None)
+        idle_ns, gap, split = (data.link_gaps(t0, t1) if t1 is not None
+                               else (None, None, [None] * 3))
         rows.append({
             "rank": data.rank, "iteration": k, "t_begin_ns": t0, "t_end_ns": t1,
             "iteration_ms": _ms(iter_ns),
@@ -272,8 +299,10 @@ def iteration_rows(data: RankData) -> List[dict]:
             "link_idle_ms": _ms(idle_ns),
             "widest_gap_ms": _ms(gap[1] - gap[0]) if gap else None,
             "widest_gap_at_ms": _ms(gap[0] - t0) if gap else None,
-            "widest_gap_after": gap[2] if gap else None,
-            "widest_gap_before": gap[3] if gap else None,
+            "widest_gap_after": _label(gap[2]) if gap else None,
+            "widest_gap_before": _label(gap[3]) if gap else None,
+            "idle_unsubmitted_ms": _ms(split[0]), "idle_queued_ms": _ms(split[1]),
+            "idle_issued_ms": _ms(split[2]),
             "bytes": sum(m["nbytes"] or 0 for m in members),
             "chunk_steps": len(chunks),
             "lane_iterations": [f"{m['lane']}:{m['iteration']}" for m in members],
@@ -303,6 +332,9 @@ def summarize(rows: List[dict]) -> dict:
         "comm_ms_median": med("comm_ms"), "exposed_comm_ms_median": med("exposed_comm_ms"),
         "overlap_pct_median": med("overlap_pct"), "busbw_gbps_median": med("busbw_gbps"),
         "link_idle_ms_median": med("link_idle_ms"), "widest_gap_ms_median": med("widest_gap_ms"),
+        "idle_unsubmitted_ms_median": med("idle_unsubmitted_ms"),
+        "idle_queued_ms_median": med("idle_queued_ms"),
+        "idle_issued_ms_median": med("idle_issued_ms"),
         "widest_gap_usual": _usual_gap(rows),
         "nvlink_tx_gbps_median": med("nvlink_tx_gbps"),
         "bytes_total": sum(r["bytes"] for r in rows),

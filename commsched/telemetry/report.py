@@ -110,7 +110,11 @@ def format_text(report: dict) -> str:
         if gap is not None:
             lines.append(
                 f"link idle: median {_fmt(s['link_idle_ms_median'], '.2f', 0)} ms per "
-                f"iteration, widest gap median {_fmt(s['widest_gap_ms_median'], '.2f', 0)} ms; "
+                f"iteration; meanwhile the collective that ended it was not yet submitted "
+                f"{_fmt(s['idle_unsubmitted_ms_median'], '.2f', 0)} ms, queued in commsched "
+                f"{_fmt(s['idle_queued_ms_median'], '.2f', 0)} ms, issued but not started on "
+                f"the device {_fmt(s['idle_issued_ms_median'], '.2f', 0)} ms (medians); "
+                f"widest gap median {_fmt(s['widest_gap_ms_median'], '.2f', 0)} ms; "
                 f"in {gap['iterations']} of {gap['of']} iterations the widest gap came after "
                 f"{gap['after'] or 'the start'} and before {gap['before'] or 'the end'}")
         if s["nvlink_tx_bytes_total"] == 0 and s["bytes_total"] > 0:

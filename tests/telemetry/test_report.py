@@ -66,6 +66,46 @@ def test_the_last_iterations_widest_gap_has_no_collective_after_it(result):
                                      "iterations": 9, "of": 10}
 
 
+@pytest.mark.parametrize("k, unsubmitted, queued", [
+    # Each chunk 0 is submitted at b + 10 and issued when it starts: before it, 10 ms not
+    # yet submitted and the rest queued; the last gap waits for the next iteration's
+    # submission (none after iteration 9).
+    (1, 10 + 40, 10),       # gaps 0..20 and 60..100
+    (5, 10 + 40, 60),       # gaps 0..70 and 110..150
+    (9, 10 + 40, 10)])      # gaps 0..20 and 110..150 (nothing after it)
+def test_link_idle_split_on_the_synthetic_run(result, k, unsubmitted, queued):
+    r = row(result, 0, k)
+    assert r["idle_unsubmitted_ms"] == pytest.approx(unsubmitted)
+    assert r["idle_queued_ms"] == pytest.approx(queued)
+    assert r["idle_issued_ms"] == 0
+    assert unsubmitted + queued == pytest.approx(r["link_idle_ms"])
+
+
+def test_link_idle_is_split_by_where_the_collective_ending_each_gap_was(tmp_path):
+    """One iteration of 100 ms, three collectives (ms after its start):
+
+      collective  submitted  issued  on the device   the gap it ends: unsubmitted/queued/issued
+      a           0          5       10-30           0-10:  0 / 5 / 5
+      b           40         50      60-70           30-60: 10 / 10 / 10
+      c           75         78      80-90           70-80: 5 / 3 / 2
+      (none)                                         90-100: 10 / 0 / 0
+    """
+    from commsched.telemetry.writer import StepMarker
+    from .helpers import MS, T0, chunk, iteration, write_run
+    times = {"a": (0, 5, 10, 30), "b": (40, 50, 60, 70), "c": (75, 78, 80, 90)}
+    msgs = [chunk(key=key, submit=T0 + s * MS, dispatch=T0 + d * MS, start=T0 + a * MS,
+                  end=T0 + e * MS) for key, (s, d, a, e) in times.items()]
+    msgs += [iteration(first_submit=T0, flush=T0 + 75 * MS, requests=3, chunks=3),
+             StepMarker(0, T0 + 100 * MS)]
+    write_run(str(tmp_path), 0, msgs, world_size=1)
+    [r] = analyze(load_run(str(tmp_path)))["rows"]
+    assert r["link_idle_ms"] == pytest.approx(60)
+    assert (r["idle_unsubmitted_ms"], r["idle_queued_ms"], r["idle_issued_ms"]) == \
+        pytest.approx((25, 18, 17))
+    assert r["widest_gap_ms"] == pytest.approx(30)
+    assert (r["widest_gap_after"], r["widest_gap_before"]) == ("g0/a#0", "g0/b#0")
+
+
 def test_first_iteration_starts_at_the_run_start(result):
     r = row(result, 1, 0)
     assert r["iteration_ms"] == pytest.approx(100)
@@ -111,7 +151,9 @@ def test_cli_text(run_dir, capsys):
     out = capsys.readouterr().out
     assert "rank 0: per iteration" in out and "rank 1: per iteration" in out
     assert "communication library" in out and "hardware" in out
-    assert ("link idle: median 60.00 ms per iteration, widest gap median 40.00 ms; in 9 of "
+    assert ("link idle: median 60.00 ms per iteration; meanwhile the collective that ended "
+            "it was not yet submitted 50.00 ms, queued in commsched 10.00 ms, issued but not "
+            "started on the device 0.00 ms (medians); widest gap median 40.00 ms; in 9 of "
             "10 iterations the widest gap came after g0/bucket0#3 and before g0/bucket0#0"
             in out)
 
