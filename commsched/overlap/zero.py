@@ -10,13 +10,12 @@ own group's all-gather:
   backward                 reduce_scatter: rank r receives the average of shard r
   next forward (1st hook)  rank r: optimizer on shard r (params are views of a flat
                            parameter buffer), then all_gather -> every rank has all shards
-  forward pre-hook of g    wait all_gather(g)   (and start g+1's if its update is done)
+  forward pre-hook of g    wait all_gather(g)
 
 Invariant 1: per iteration every rank submits reduce_scatter(G-1 .. 0), then one small
-all-reduce of the per-parameter usage flags ("used"), then — from the next forward — the
-all-gathers strictly in ascending group order (a cursor; a group's all-gather waits for
-its lower neighbours'), and all of a step's all-gathers before the next iteration's first
-reduce-scatter. Only timing differs between ranks.
+all-reduce of the per-parameter usage flags ("used"), then — at the next forward's first
+pre-hook — the all-gathers in ascending group order, all of a step's all-gathers before
+the next iteration's first reduce-scatter. Only timing differs between ranks.
 
 Invariant 2: nothing is submitted from step() or zero_grad(). The updates and all-gathers
 of a step start at the first forward pre-hook after it (or at drain(), a state_dict() or
@@ -27,7 +26,11 @@ issued that the other issues only in its next forward: a device synchronisation 
 barrier between step() and that forward (a timing loop, a checkpoint) would then wait on
 the first rank for a collective the second never reaches, a deadlock. What is in flight
 when step() returns (the reduce-scatters) is issued by the lanes without the training
-thread, on every rank.
+thread, on every rank. For the same reason the round takes every group at once, waiting
+for each group's reduce-scatter (on a GPU: for its issue only), rather than the groups
+whose reduce-scatters happen to be done: otherwise a rank could submit an all-gather at a
+pre-hook where the other submits it only at a later one, and a device synchronisation
+plus a host-blocking collective inside the forward, between the two, would deadlock.
 
 Requires an optimizer whose update is elementwise within a parameter (SGD, Adam(W),
 RMSprop, Adagrad, ...): a shard is a slice of a parameter.
@@ -69,8 +72,7 @@ class ZeroEngine(OverlapEngine):
                 f"commsched overlap rs_ag: {type(optimizer).__name__} is not known to update "
                 "each element of a parameter independently, so a parameter shard cannot be "
                 "updated on its own; use decompose=none (all-reduce) with this optimizer")
-        self._round = False         # a step's all-gathers are not all submitted yet
-        self._ag_next = 0           # all-gather cursor (ascending group index)
+        self._round = False         # a step's updates and all-gathers are not submitted yet
         self.used_request = None
         self._used_cache: Optional[List[bool]] = None
         super().__init__(module, optimizer, config, group, **kwargs)
@@ -84,10 +86,9 @@ class ZeroEngine(OverlapEngine):
                              "model's trainable parameters")
         if self.mode != PER_GROUP:
             raise TypeError("commsched overlap rs_ag needs a per-parameter optimizer")
-        # All-gathers are submitted in forward (= priority) order, from step() or from a
-        # forward pre-hook depending on when the reduce-scatters finished, which differs
-        # between ranks: their lane must not block on a collective there (a plan exchange,
-        # or the configuration check of its creation, done here instead).
+        # All-gathers are submitted in forward (= priority) order from a forward pre-hook,
+        # drain() or the next backward: their lane must not block on a collective there (a
+        # plan exchange, or the configuration check of its creation, done here instead).
         self.scheduler.set_fifo(self.gather_group, self.groups[0].device)
 
     # ---- layout ---------------------------------------------------------------------------
@@ -201,55 +202,38 @@ class ZeroEngine(OverlapEngine):
         for g in groups:
             self._zero(g, set_to_none)
 
-    def _advance(self, block_upto: int, upto: Optional[int] = None) -> None:
-        """Move the all-gather cursor: groups <= block_upto wait for their gradients;
-        groups up to ``upto`` (default: all) go only if their gradients are already in.
-
-        The groups that can go are updated together, so that a round pays the optimizer's
-        fixed cost per call (~0.3-0.5 ms of Python for AdamW) twice, not once per group:
-        the round's first group alone, its all-gather (the one the forward waits for
-        first) submitted right after its update, then every other ready group in one step
-        and their all-gathers in forward order."""
-        last = len(self.groups) - 1 if upto is None else min(upto, len(self.groups) - 1)
-        ready = []
-        i = self._ag_next
-        while self._round and i <= last:
-            g = self.groups[i]
-            if g.index > block_upto and g.request is not None and not g.request.future.done():
-                break
-            ready.append(g)
-            i += 1
-        if ready:
-            split = 1 if self._ag_next == 0 else 0
-            for batch in (ready[:split], ready[split:]):
-                if batch:
-                    self._settle_batch(batch)
-                    for g in batch:
-                        if g.needs_gather:
-                            g.needs_gather = False
-                            g.param_request = self.scheduler.submit(
-                                g.param_buffer, key=("ag", g.index), priority=g.index,
-                                op="all_gather", group=self.gather_group,
-                                partition_bytes=WHOLE)
-            self._ag_next = i
-        if self._round and self._ag_next == len(self.groups):
-            self._round = False
-            self.scheduler.end_iteration(self.gather_group, private=True)
-
     def _finish_round(self) -> None:
-        if self._round:
-            self._advance(block_upto=len(self.groups) - 1)
+        """Run the round of the last step(): every group's update, then its all-gather, in
+        forward order. Each group waits for its reduce-scatter (on a GPU only for its issue,
+        which the lanes do without the training thread; the update then waits on the
+        device), so the same groups go at the same call on every rank (Invariant 2).
+
+        The first group goes alone, its all-gather (the one the forward waits for first)
+        submitted right after its update; then every other group in one optimizer step:
+        the optimizer's fixed cost per call (~0.3-0.5 ms of Python for AdamW) is paid
+        twice, not once per group."""
+        if not self._round:
+            return
+        for batch in (self.groups[:1], self.groups[1:]):
+            if not batch:
+                continue
+            self._settle_batch(batch)
+            for g in batch:
+                if g.needs_gather:
+                    g.needs_gather = False
+                    g.param_request = self.scheduler.submit(
+                        g.param_buffer, key=("ag", g.index), priority=g.index,
+                        op="all_gather", group=self.gather_group, partition_bytes=WHOLE)
+        self._round = False
+        self.scheduler.end_iteration(self.gather_group, private=True)
 
     def _forward_pre_hook(self, groups: List[LayerGroup], module, args) -> None:
+        if self._round:                 # the forward's first pre-hook runs the round
+            self._finish_round()
         for g in groups:
             if self._bw and g.submitted_iter == self._bw_iter:
                 continue
-            if self._round and self._ag_next <= g.index:
-                # The round's first call takes every group that is ready (see _advance);
-                # later ones the group the forward reached and the next one.
-                self._advance(block_upto=g.index,
-                              upto=None if self._ag_next == 0 else g.index + 1)
-            elif g.actions and (g.request is None or g.request.future.done()):
+            if g.actions and (g.request is None or g.request.future.done()):
                 self._settle(g)
             if g.param_request is not None:
                 g.param_request.wait()
@@ -270,7 +254,7 @@ class ZeroEngine(OverlapEngine):
         record = snapshot(self.optimizer.param_groups, kwargs)
         for g in self.groups:
             g.actions.append((_UPDATE, record))
-        self._round, self._ag_next = True, 0      # started by the next forward (Invariant 2)
+        self._round = True          # run by the next forward (Invariant 2)
         self._recorder_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
