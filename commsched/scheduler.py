@@ -853,9 +853,10 @@ class _Lane:
                 req = chunk.request
                 chunk.steps_done = step + 1
                 last = step == len(req.steps) - 1
-                # device start from the step's start event (timed), else its dispatch
-                t_start = (t_end - int(start.elapsed_time(end) * 1e6) if start is not None
-                           else chunk.t_dispatch_ns)
+                # Device start from the step's start event (timed), else its dispatch; a
+                # failed step's events may never have completed (elapsed_time would raise).
+                t_start = (t_end - int(start.elapsed_time(end) * 1e6)
+                           if start is not None and error is None else chunk.t_dispatch_ns)
                 if error is None:
                     self.link_cost.add(t_start, t_end, chunk.nbytes if last else 0)
                 if error is not None:
