@@ -33,8 +33,8 @@ ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_python_ho
              "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
              "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune",
              "ddp_commsched_route_fifo", "ddp_commsched_inline", "commsched_dp",
-             "commsched_dp_unbounded", "commsched_dp_zero", "commsched_dp_g4", "commsched_dp_inline", "megatron_stock",
-             "megatron_patched")
+             "commsched_dp_unbounded", "commsched_dp_zero", "commsched_dp_g4",
+             "commsched_dp_inline", "megatron_stock", "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
 VARIANT_MODES = ("ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",

@@ -12,8 +12,8 @@ import statistics
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "bus_factor", "algbw_gbps", "busbw_gbps", "union_ns", "merge_intervals", "value_at", "delta_interpolated",
-    "bracket", "boundary_indices", "median", "mad", "outlier_threshold", "KIB",
+    "bus_factor", "algbw_gbps", "busbw_gbps", "union_ns", "merge_intervals", "value_at",
+    "delta_interpolated", "bracket", "boundary_indices", "median", "mad", "outlier_threshold", "KIB",
 ]
 
 KIB = 1024
