@@ -41,7 +41,7 @@ import torch.multiprocessing as mp  # noqa: E402
 # Environment variables worth recording with every result.
 ENV_PREFIXES = ("NCCL_", "COMMSCHED", "TORCH_NCCL_", "TORCH_DISTRIBUTED", "GLOO_",
                 "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING",
-                "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS")
+                "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "BENCH_")
 
 
 class ModeUnavailable(Exception):
@@ -234,7 +234,8 @@ def _finite(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------
 
 def relevant_env(environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """The NCCL_*, COMMSCHED*, TORCH_NCCL_* (and similar) variables that are set."""
+    """The NCCL_*, COMMSCHED*, TORCH_NCCL_* (and similar) variables that are set, and the
+    benchmarks' own BENCH_* knobs (window, micro-batch, probes)."""
     environ = os.environ if environ is None else environ
     return {k: environ[k] for k in sorted(environ) if k.startswith(ENV_PREFIXES)}
 
