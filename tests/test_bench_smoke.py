@@ -27,8 +27,9 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 # Modes the harness measures itself, with no commsched API involved: these must run.
-HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "bound")
-ALL_MODES = ("compute_only", "ddp_default", "comm_only", "bound", "ddp_python_hook",
+HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound")
+ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound",
+             "ddp_python_hook",
              "ddp_commsched", "ddp_commsched_large", "ddp_commsched_route",
              "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
              "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune",

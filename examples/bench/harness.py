@@ -472,6 +472,22 @@ def run_compute_only(bench: Bench) -> Dict[str, Any]:
     return {"iter_ms": bench.time(no_sync_step)}
 
 
+def run_compute_sync(bench: Bench) -> Dict[str, Any]:
+    """Compute only, with the ranks kept in step: one 4-byte all-reduce after each step.
+    Against compute only, what any synchronous data-parallel scheme pays for waiting on
+    the slower rank where the step's time varies from rank to rank (a host-bound step)."""
+    model = bench.ddp(bench.build_model())
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+    token = torch.zeros(1, device=bench.device)
+
+    def synced_step() -> None:
+        with model.no_sync():
+            step()
+        dist.all_reduce(token)
+
+    return {"iter_ms": bench.time(synced_step)}
+
+
 def run_ddp_default(bench: Bench) -> Dict[str, Any]:
     """Plain DDP (bucket_cap_mb 25): what users run today. Records the bucket sizes DDP
     settled on, for comm_only."""
@@ -630,6 +646,8 @@ class Mode:
 # that DDP settled on.
 MODES: List[Mode] = [
     Mode("compute_only", "1 compute only (no_sync)", run_compute_only),
+    Mode("compute_sync", "1b compute only, ranks in step (a 4-byte all-reduce per step)",
+         run_compute_sync),
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
