@@ -13,7 +13,10 @@ exposed comm
     Communication not hidden behind backward: from a lane's flush (its last gradient was
     submitted, i.e. backward ended) to the completion of that lane iteration's last chunk,
     the maximum over lanes. In commsched's overlap mode the next forward may run during that
-    time, so there it is an upper bound.
+    time, so there it is an upper bound. The flush is a host time: where the host runs ahead
+    of a busy GPU (a GPU-bound step), the device was still computing backward after it, and
+    that time counts as exposed too (a GPT step on 2x H200 read 0% overlap where a profiler
+    found 38 of 58 ms of communication under compute).
 compute
     iteration time - exposed comm.
 overlap %
@@ -53,8 +56,9 @@ DEFINITIONS = {
     "iteration": "between consecutive commsched.step() markers; without markers, between "
                  "consecutive flushes of the lane with most iterations",
     "comm_ms": "union of the iteration's chunk-step device intervals",
-    "exposed_comm_ms": "from a lane's flush (end of backward) to its last chunk completion; "
-                       "max over lanes (upper bound in overlap mode)",
+    "exposed_comm_ms": "from a lane's flush (end of backward, host time) to its last chunk "
+                       "completion; max over lanes (upper bound in overlap mode, and where "
+                       "the host runs ahead of the GPU)",
     "compute_ms": "iteration_ms - exposed_comm_ms",
     "overlap_pct": "100 * (1 - exposed_comm_ms / comm_ms)",
     "link_idle_ms": "time in the iteration with no collective of any lane on the device",
@@ -65,7 +69,9 @@ DEFINITIONS = {
                            "its gradients over; also a stretch no collective ended); "
                            "idle_queued_ms: submitted, not yet issued (priority order, credit "
                            "window, dispatch latency); idle_issued_ms: issued, not yet "
-                           "started on the device (its stream behind other work)",
+                           "started on the device (its stream waiting for the compute that "
+                           "produces its input, where the host runs ahead of the GPU, or "
+                           "behind other collectives)",
     "busbw_gbps": "sum(bytes * factor) / comm time; factor 2(n-1)/n all_reduce, (n-1)/n "
                   "reduce_scatter and all_gather",
     "nvlink_tx_gbps": "NVLink DATA TX bytes between the samples taken at the iteration's "
