@@ -8,9 +8,9 @@ training thread, and must only enqueue (no I/O, no NVML). An observer may also d
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Tuple
+from typing import NamedTuple, Optional, Protocol, Tuple
 
-__all__ = ["ChunkRecord", "IterationRecord", "Observer"]
+__all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Observer"]
 
 
 class ChunkRecord(NamedTuple):
@@ -37,17 +37,27 @@ class ChunkRecord(NamedTuple):
     error: str = ""
 
 
+class DeviceMark(NamedTuple):
+    """A point in a CUDA stream: a timed event recorded there, and its device."""
+
+    device: object            # torch.device
+    event: object             # torch.cuda.Event(enable_timing=True)
+
+
 class IterationRecord(NamedTuple):
     """An iteration of a lane: from its first submission to the end-of-iteration flush."""
 
     lane: str
     iteration: int
     t_first_submit_ns: int
-    t_flush_ns: int
+    t_flush_ns: int           # when end_iteration() was called (host)
     requests: int
     chunks: int
     nbytes: int
     planned: bool             # dispatched by a priority plan (False: fifo order)
+    # On CUDA, with an observer: the flush in the caller's stream. Where the host runs
+    # ahead of the GPU, the device gets there (ends backward) after t_flush_ns.
+    flush_mark: Optional[DeviceMark] = None
 
 
 class Observer(Protocol):

@@ -75,7 +75,7 @@ from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for
 from .autotune import Tuner
 from .calibrate import calibrate, static_choice
 from .config import DECOMPOSITIONS, Config
-from .observer import ChunkRecord, IterationRecord
+from .observer import ChunkRecord, DeviceMark, IterationRecord
 from .partition import Chunk, partition
 from .plan import LinkCost, Plan, RequestProfile, build_plan
 from .safety import check_agreement, first_divergence, step_crc
@@ -158,10 +158,11 @@ _DONE = object()
 class _End:
     """An end_iteration() call queued for the dispatch thread."""
 
-    __slots__ = ("t_end_ns", "record", "taken")
+    __slots__ = ("t_end_ns", "mark", "record", "taken")
 
-    def __init__(self, t_end_ns: int):
+    def __init__(self, t_end_ns: int, mark: Optional[DeviceMark]):
         self.t_end_ns = t_end_ns
+        self.mark = mark
         self.record: Optional[IterationRecord] = None
         self.taken = threading.Event()
 
@@ -330,7 +331,8 @@ class _Lane:
         if self.inbox is not None:
             return self._post_end(wait_dispatched, wait_taken)
         with self.lock:
-            record = self._close_iteration(time.time_ns())
+            mark = self._flush_mark() if self.current is not None else None
+            record = self._close_iteration(time.time_ns(), mark)
             if record is None:
                 return None
             self._pump()
@@ -343,7 +345,17 @@ class _Lane:
         self._report(record)
         return record
 
-    def _close_iteration(self, t_end_ns: int) -> Optional[IterationRecord]:
+    def _flush_mark(self) -> Optional[DeviceMark]:
+        """The end of the iteration in the caller's stream, for telemetry: the device may
+        get there long after the host (one timed event per iteration, observer only)."""
+        if not (self.cuda and self.observer is not None):
+            return None
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return DeviceMark(self.device, event)
+
+    def _close_iteration(self, t_end_ns: int,
+                         mark: Optional[DeviceMark] = None) -> Optional[IterationRecord]:
         """No more requests in the open iteration (lock held); its record."""
         it = self.current
         if it is None:
@@ -355,7 +367,7 @@ class _Lane:
             self.name, it.index, it.t_first_ns, t_end_ns, len(it.requests),
             sum(len(r.chunks) for r in it.requests),
             sum(r.tensor.numel() * r.tensor.element_size() for r in it.requests),
-            it.planned)
+            it.planned, mark)
         self.last_iteration = record
         return record
 
@@ -398,7 +410,7 @@ class _Lane:
         if self.failure is not None:
             raise self.failure
         self.caller_keys = set()
-        end = _End(time.time_ns())
+        end = _End(time.time_ns(), self._flush_mark())
         self._enqueue(end)
         if not wait_taken and not wait_dispatched:
             return None
@@ -438,7 +450,7 @@ class _Lane:
                         if type(item) is not _End:
                             failed.append(item)
                     elif type(item) is _End:
-                        item.record = self._close_iteration(item.t_end_ns)
+                        item.record = self._close_iteration(item.t_end_ns, item.mark)
                         ends.append(item)
                     else:
                         self._take_in(item)

@@ -13,10 +13,9 @@ exposed comm
     Communication not hidden behind backward: from a lane's flush (its last gradient was
     submitted, i.e. backward ended) to the completion of that lane iteration's last chunk,
     the maximum over lanes. In commsched's overlap mode the next forward may run during that
-    time, so there it is an upper bound. The flush is a host time: where the host runs ahead
-    of a busy GPU (a GPU-bound step), the device was still computing backward after it, and
-    that time counts as exposed too (a GPT step on 2x H200 read 0% overlap where a profiler
-    found 38 of 58 ms of communication under compute).
+    time, so there it is an upper bound. On CUDA the flush is when the device got there (a
+    timed event recorded at the flush): where the host runs ahead of a busy GPU, the host
+    ends backward long before the device does.
 compute
     iteration time - exposed comm.
 overlap %
@@ -56,9 +55,9 @@ DEFINITIONS = {
     "iteration": "between consecutive commsched.step() markers; without markers, between "
                  "consecutive flushes of the lane with most iterations",
     "comm_ms": "union of the iteration's chunk-step device intervals",
-    "exposed_comm_ms": "from a lane's flush (end of backward, host time) to its last chunk "
-                       "completion; max over lanes (upper bound in overlap mode, and where "
-                       "the host runs ahead of the GPU)",
+    "exposed_comm_ms": "from a lane's flush (end of backward; on CUDA when the device got "
+                       "there) to its last chunk completion; max over lanes (upper bound in "
+                       "overlap mode)",
     "compute_ms": "iteration_ms - exposed_comm_ms",
     "overlap_pct": "100 * (1 - exposed_comm_ms / comm_ms)",
     "link_idle_ms": "time in the iteration with no collective of any lane on the device",

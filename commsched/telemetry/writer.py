@@ -3,7 +3,8 @@
 Producers (completion thread, training thread, sampler thread) only ``put`` messages on a
 queue. The writer batches rows into transactions and commits
 
-* at once after an iteration record, a step marker or an iteration whose communication
+* at once after an iteration record (on CUDA once the device got to its flush: see
+  ``device_clock``), a step marker or an iteration whose communication
   finished (so a SIGKILLed process leaves every completed iteration in the store),
 * otherwise every ``commit_interval_s`` (0.1 s) or ``batch_rows`` rows, whichever first.
 
@@ -13,6 +14,7 @@ recorder to stop enqueueing and keeps draining the queue so producers never bloc
 
 from __future__ import annotations
 
+import collections
 import queue
 import sqlite3
 import threading
@@ -24,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ..observer import ChunkRecord, IterationRecord
 from ..threads import start_thread
 from .assembly import IterationAssembler, LinkRow
+from .device_clock import DeviceClock
 from .errors import TelemetryWarning
 from .metrics import algbw_gbps, busbw_gbps
 from .sampler import CounterSample, HealthSample, NvmlStatus
@@ -67,6 +70,11 @@ def _insert_sql(table: str, verb: str = "INSERT") -> str:
 _ITER_COLS = _columns("iterations")
 _TUNING_COLS = _columns("tuning")
 _SQL = {name: _insert_sql(name) for name in [*TABLES, *OPTIONAL_TABLES] if name != "meta"}
+
+# An iteration record with a flush mark waits until the device got there: the writer looks
+# every MARK_POLL_S while one waits, and a flush or close waits up to MARK_WAIT_S for it.
+MARK_POLL_S = 0.002
+MARK_WAIT_S = 2.0
 _SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
 _SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 
@@ -99,6 +107,9 @@ class StoreWriter:
         # not committed are lost on a kill whether or not they were inserted).
         self._pending: Dict[str, list] = {}
         self._ranks_json: Dict[tuple, str] = {}
+        # Iteration records waiting, in order, for the device to reach their flush mark.
+        self._marked: "collections.deque[IterationRecord]" = collections.deque()
+        self.device_clock: Optional[DeviceClock] = None     # created at the first mark
 
     # --- producer side -----------------------------------------------------------------------
     def put(self, message: object) -> None:
@@ -128,12 +139,17 @@ class StoreWriter:
     def _run(self) -> None:
         while True:
             timeout = max(0.0, self._deadline - time.monotonic()) if self._in_tx else None
+            if self._marked:
+                timeout = MARK_POLL_S if timeout is None else min(timeout, MARK_POLL_S)
             try:
                 msg = self._q.get(timeout=timeout)
             except queue.Empty:
-                self._guarded(self._commit)
+                resolved = self._guarded(self._resolve_marks)
+                if resolved or (self._in_tx and time.monotonic() >= self._deadline):
+                    self._guarded(self._commit)
                 continue
             if isinstance(msg, _Control):
+                self._guarded(lambda: self._resolve_marks(MARK_WAIT_S))
                 if msg.kind == "close":
                     self._guarded(self._close_store)
                     try:
@@ -150,6 +166,34 @@ class StoreWriter:
             urgent = self._guarded(lambda: self._handle(msg))
             if urgent or self._rows >= self.batch_rows:
                 self._guarded(self._commit)
+
+    def _resolve_marks(self, wait_s: float = 0.0) -> bool:
+        """Hand the waiting iteration records to the assembler, in order, each with its
+        flush at the time the device got there (see device_clock). A record whose mark the
+        device has not reached stops the others behind it, for up to ``wait_s`` (then it
+        keeps the host time); True when any was handed over."""
+        deadline = time.monotonic() + wait_s
+        handed = False
+        while self._marked:
+            record = self._marked[0]
+            mark = record.flush_mark
+            if mark is not None:
+                if self.device_clock is None:
+                    self.device_clock = DeviceClock()
+                done, t_device = self.device_clock.host_ns(mark)
+                if not done:
+                    if time.monotonic() < deadline:
+                        time.sleep(MARK_POLL_S / 4)
+                        continue
+                    if wait_s <= 0:
+                        break
+                record = record._replace(
+                    t_flush_ns=record.t_flush_ns if t_device is None else t_device,
+                    flush_mark=None)
+            self._marked.popleft()
+            self._store(*self.assembler.add_iteration(record))
+            handed = True
+        return handed
 
     def _guarded(self, fn) -> bool:
         if self.failed is not None:
@@ -211,8 +255,8 @@ class StoreWriter:
             self._execute("comm_ops", [self._comm_op(msg)])
             return self._store(*self.assembler.add_chunk(msg))
         if isinstance(msg, IterationRecord):
-            self._store(*self.assembler.add_iteration(msg))
-            return True
+            self._marked.append(msg)
+            return self._resolve_marks()
         if isinstance(msg, StepMarker):
             self._execute("app_steps", [(self.rank, msg.step, msg.t_ns)])
             return True

@@ -7,6 +7,8 @@ bitwise equal to the plain collective and to stock DDP.
 """
 
 import os
+import sqlite3
+import tempfile
 import time
 
 import pytest
@@ -18,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commsched
 import commsched.hooks
+from commsched.telemetry import open_recorder
+from commsched.telemetry.store import rank_path
 from distributed import free_port
 
 pytestmark = pytest.mark.skipif(
@@ -146,6 +150,43 @@ def _lazy_completion(rank, world, port):
         for r in got:
             assert r.t_dispatch_ns - 1_000_000 <= r.t_start_ns <= r.t_end_ns, r
     sched.close()
+    dist.destroy_process_group()
+
+
+def _device_flush(rank, world, port):
+    """A GPU-bound end of backward: the host ends each iteration while its device is busy
+    for about 100 ms more, and the gradient comes after that. Telemetry stores as the
+    iteration's flush when the device got there, so the all-reduce right after it is not
+    counted exposed for the host's head start; inline and from a dispatch thread."""
+    _init(rank, world, port)
+    for dispatch in ("inline", "thread"):
+        with tempfile.TemporaryDirectory() as run_dir:
+            rec = open_recorder(commsched.Config(telemetry_dir=run_dir), rank=rank,
+                                world_size=world, nvml_period_ms=0)
+            sched = commsched.Scheduler(
+                commsched.Config(partition_bytes=0, credit_bytes=0, dispatch=dispatch),
+                observer=rec)
+            host_flush = []
+            for k in range(4):
+                t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+                if k:
+                    # (Not in iteration 0: its submit sets the lane up, which waits for
+                    # the device, and the host would not be ahead any more.)
+                    torch.cuda._sleep(200_000_000)        # ~100 ms of device time
+                req = sched.submit(t, key=0)
+                host_flush.append(time.time_ns())
+                sched.end_iteration()
+                sched.drain(timeout=60)
+                assert torch.equal(req.wait().cpu(), torch.full((1 << 20,), 3.0))
+            sched.close()
+            rec.close()
+            with sqlite3.connect(rank_path(run_dir, rank)) as conn:
+                rows = conn.execute("SELECT t_flush_ns, exposed_comm_ns FROM iterations "
+                                    "ORDER BY iteration").fetchall()
+            assert len(rows) == 4, (dispatch, rows)
+            for (t_flush, exposed), t_host in zip(rows[1:], host_flush[1:]):
+                assert t_flush - t_host > 50_000_000, (dispatch, t_flush - t_host)
+                assert exposed < 20_000_000, (dispatch, exposed)
     dist.destroy_process_group()
 
 
@@ -282,6 +323,10 @@ def test_future_resolves_after_device_completion():
 
 def test_lazy_completion_batches_and_device_times():
     _spawn(_lazy_completion)
+
+
+def test_telemetry_flush_is_where_the_device_ended_backward():
+    _spawn(_device_flush)
 
 
 def test_hook_equals_stock_ddp_nccl():

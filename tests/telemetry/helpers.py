@@ -25,16 +25,17 @@ def chunk(*, lane="g0", iteration=0, key="bucket0", index=0, num_chunks=1, nbyte
 
 
 def iteration(*, lane="g0", iteration=0, first_submit=0, flush=0, requests=1, chunks=1,
-              nbytes=1 << 20, planned=False) -> IterationRecord:
+              nbytes=1 << 20, planned=False, mark=None) -> IterationRecord:
     return IterationRecord(lane, iteration, first_submit, flush, requests, chunks, nbytes,
-                           planned)
+                           planned, mark)
 
 
 def write_run(run_dir: str, rank: int, messages: Iterable[object], *, world_size: int = 2,
               start_ns: int = T0, host: str = "node0",
-              nvml_status: Optional[str] = None) -> str:
+              nvml_status: Optional[str] = None, device_clock=None) -> str:
     """Write one rank's store from ``messages`` (records, StepMarker, NvmlStatus,
-    CounterSample, HealthSample) through the real writer thread; returns the file."""
+    CounterSample, HealthSample) through the real writer thread; returns the file.
+    ``device_clock``: stands in for the writer's CUDA clock of flush marks."""
     os.makedirs(run_dir, exist_ok=True)
     path = rank_path(run_dir, rank)
     conn = create_store(path)
@@ -42,6 +43,7 @@ def write_run(run_dir: str, rank: int, messages: Iterable[object], *, world_size
                  "config_json, torch_version, nvml_status) VALUES (?, ?, 0, ?, 1, ?, '{}', "
                  "'test', ?)", (rank, world_size, host, start_ns, nvml_status or "disabled"))
     writer = StoreWriter(conn, rank, node=host)
+    writer.device_clock = device_clock
     writer.start()
     for m in messages:
         writer.put(m)

@@ -1,0 +1,96 @@
+"""The end of backward on the device: an iteration record's flush mark.
+
+On CUDA the scheduler records a timed event where an iteration ends (its flush) and the
+writer stores, as the iteration's flush, when the device got there rather than when the
+host did. Exposed communication is measured from it. Here the CUDA clock is replaced by a
+stand-in whose marks the test completes; tests/gpu covers the real events.
+"""
+
+import sqlite3
+import time
+
+from commsched.observer import DeviceMark
+from commsched.telemetry import writer as writer_module
+from commsched.telemetry.store import create_store, load_run, rank_path
+from commsched.telemetry.writer import StoreWriter
+
+from .helpers import MS, T0, chunk, iteration, write_run
+
+
+class Event:
+    """A stand-in CUDA event: reached once ``t_ns`` is set (None: never timed)."""
+
+    def __init__(self, t_ns=None, reached=True):
+        self.t_ns, self.reached = t_ns, reached
+
+
+class Clock:
+    def host_ns(self, mark):
+        return (True, mark.event.t_ns) if mark.event.reached else (False, None)
+
+
+def mark(t_ns=None, reached=True):
+    return DeviceMark("cuda:0", Event(t_ns, reached))
+
+
+def one_iteration(k, *, host_flush, device_flush=None, reached=True, end):
+    """Iteration k: one chunk [k*100+1, k*100+end] ms, flushed by the host at
+    ``host_flush`` ms (offsets from the iteration's base)."""
+    base = T0 + k * 100 * MS
+    return [chunk(iteration=k, start=base + MS, end=base + end * MS),
+            iteration(iteration=k, first_submit=base, flush=base + host_flush * MS,
+                      mark=None if device_flush is None and reached else
+                      mark(None if device_flush is None else base + device_flush * MS,
+                           reached))]
+
+
+def stored(tmp_path, messages, **kw):
+    write_run(str(tmp_path), 0, messages, world_size=1, device_clock=Clock(), **kw)
+    return {r["iteration"]: r for r in load_run(str(tmp_path)).rows("iterations", 0)}
+
+
+def test_exposed_comm_is_measured_from_where_the_device_ended_backward(tmp_path):
+    # The host flushed at 10 ms; the device got there at 40; the collective ended at 45.
+    rows = stored(tmp_path, one_iteration(0, host_flush=10, device_flush=40, end=45)
+                  + one_iteration(1, host_flush=10, end=45))          # no mark: host time
+    assert rows[0]["t_flush_ns"] == T0 + 40 * MS
+    assert rows[0]["exposed_comm_ns"] == 5 * MS
+    assert rows[1]["t_flush_ns"] == T0 + 110 * MS
+    assert rows[1]["exposed_comm_ns"] == 35 * MS
+
+
+def test_an_untimable_mark_keeps_the_host_time(tmp_path):
+    rows = stored(tmp_path, one_iteration(0, host_flush=10, device_flush=None, end=45))
+    assert rows[0]["t_flush_ns"] == T0 + 10 * MS
+    assert rows[0]["exposed_comm_ns"] == 35 * MS
+
+
+def test_records_wait_in_order_for_a_mark_the_device_reaches_later(tmp_path):
+    late = one_iteration(0, host_flush=10, device_flush=40, reached=False, end=45)
+    messages = late + one_iteration(1, host_flush=10, device_flush=20, end=25)
+    path = rank_path(str(tmp_path), 0)
+    writer = StoreWriter(create_store(path), 0)
+    writer.device_clock = Clock()
+    writer.start()
+    for m in messages:
+        writer.put(m)
+
+    def flushes():
+        time.sleep(0.3)
+        with sqlite3.connect(path) as conn:
+            return dict(conn.execute("SELECT iteration, t_flush_ns FROM iterations"))
+
+    # Iteration 1's record waits behind iteration 0's, whose mark is not reached yet.
+    assert all(t is None for t in flushes().values())
+    late[1].flush_mark.event.reached = True          # the writer sees it while polling
+    assert flushes() == {0: T0 + 40 * MS, 1: T0 + 120 * MS}
+    assert writer.close(timeout=30) and writer.failed is None
+
+
+def test_a_mark_never_reached_gives_up_at_close_with_the_host_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "MARK_WAIT_S", 0.1)
+    rows = stored(tmp_path, one_iteration(0, host_flush=10, device_flush=40, reached=False,
+                                          end=45)
+                  + one_iteration(1, host_flush=10, device_flush=20, end=25))
+    assert rows[0]["t_flush_ns"] == T0 + 10 * MS and rows[0]["exposed_comm_ns"] == 35 * MS
+    assert rows[1]["t_flush_ns"] == T0 + 120 * MS and rows[1]["exposed_comm_ns"] == 5 * MS
