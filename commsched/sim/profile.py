@@ -14,8 +14,8 @@ request readiness   ``comm_ops.t_submit_ns`` is when the adapter handed the requ
                     0 and readiness is the submission time. ``readiness="host"`` uses
                     submission times as they are.
 compute end         the lane's flush (``iterations.t_flush_ns``, the last request
-                    submitted = end of backward in DDP hook mode), or the device readiness of
-                    the last request if later.
+                    submitted = end of backward in DDP hook mode; on CUDA when the device got
+                    there), or the device readiness of the last request if later.
 measured iteration  first submission of the lane's iteration i+1 minus that of i (the
                     iteration has no period without a successor).
 tail                measured iteration - max(compute end, measured last chunk end): the
