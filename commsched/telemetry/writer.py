@@ -70,13 +70,13 @@ def _insert_sql(table: str, verb: str = "INSERT") -> str:
 _ITER_COLS = _columns("iterations")
 _TUNING_COLS = _columns("tuning")
 _SQL = {name: _insert_sql(name) for name in [*TABLES, *OPTIONAL_TABLES] if name != "meta"}
+_SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
+_SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 
 # An iteration record with a flush mark waits until the device got there: the writer looks
 # every MARK_POLL_S while one waits, and a flush or close waits up to MARK_WAIT_S for it.
 MARK_POLL_S = 0.002
 MARK_WAIT_S = 2.0
-_SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
-_SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 
 
 class StoreWriter:
@@ -211,6 +211,7 @@ class StoreWriter:
                       TelemetryWarning, stacklevel=1)
         self.on_failure(self.failed)
         self._pending.clear()
+        self._marked.clear()          # nothing is stored any more: stop polling for marks
         try:
             if self._in_tx:
                 self.conn.execute("ROLLBACK")

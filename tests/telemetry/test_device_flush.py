@@ -8,9 +8,11 @@ stand-in whose marks the test completes; tests/gpu covers the real events.
 
 import sqlite3
 import time
+import warnings
 
 from commsched.observer import DeviceMark
 from commsched.telemetry import writer as writer_module
+from commsched.telemetry.errors import TelemetryWarning
 from commsched.telemetry.store import create_store, load_run, rank_path
 from commsched.telemetry.writer import StoreWriter
 
@@ -94,3 +96,26 @@ def test_a_mark_never_reached_gives_up_at_close_with_the_host_time(tmp_path, mon
                   + one_iteration(1, host_flush=10, device_flush=20, end=25))
     assert rows[0]["t_flush_ns"] == T0 + 10 * MS and rows[0]["exposed_comm_ns"] == 35 * MS
     assert rows[1]["t_flush_ns"] == T0 + 120 * MS and rows[1]["exposed_comm_ns"] == 5 * MS
+
+
+def test_a_failed_writer_keeps_no_record_waiting_for_a_mark(tmp_path):
+    """A write error disables the writer; a record still waiting for its mark then goes
+    too, instead of being polled for every few milliseconds until the end of the run."""
+    writer = StoreWriter(create_store(rank_path(str(tmp_path), 0)), 0)
+    writer.device_clock = Clock()
+    writer.start()
+    for m in one_iteration(0, host_flush=10, device_flush=40, reached=False, end=45):
+        writer.put(m)
+    deadline = time.monotonic() + 10
+    while not writer._marked and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert writer._marked                     # the record waits for its mark
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer.conn.close()                   # the next commit fails: the writer disables
+        while writer.failed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert writer.failed is not None
+    assert [w.category for w in caught] == [TelemetryWarning]
+    assert not writer._marked
+    assert writer.close(timeout=30)
