@@ -14,14 +14,44 @@ chunk with the most urgent priority goes next.
   time ─►    b3 ready   b2 ready        b1 ready  b0 ready (priority 0 = first layer)
   link:      [b3.0][b3.1]    [b2.0][b2.1]   [b1.0][b0.0][b1.1][b0.1]...
                                              └ b0 overtakes b1's queued chunks
+
+Where the next forward consumes the requests in priority order (the data-parallel mode:
+its layer groups, whole, priority = forward order), the order that ends the iteration's
+communication soonest is not what matters: the next forward is. A request delivered late
+costs the forward that comes after its first use. :func:`build_forward_plan` therefore
+chooses the order of whole requests that minimises the modelled end of the next forward,
+
+  end of forward = max over requests r of (r's last byte on the link + forward after r)
+
+on one serial link (a request starts when it is ready and the link is free, in plan order),
+where "forward after r" is the estimated forward compute of the layers from r's on. That
+may hold a ready request back and leave the link idle. Four layer groups d (last layer) ..
+a (first), 2 s each on the link, a forward of 0.5 s each (tests/test_plan.py works it out):
+
+  ready       d at 0 s, c at 1 s, b at 2 s, a at 3 s
+  greedy      d [0,2] c [2,4] b [4,6] a [6,8]    the next forward ends at 10 s
+  forward     d [0,2] b [2,4] a [4,6] c [6,8]    the next forward ends at 9 s
+
+c, ready second, waits for b and a: the forward then runs a's and b's layers under c's
+collective instead of all four layers after a's.
+
+The forward compute per request is estimated from the profile itself: the readiness gap
+before each request is the backward compute that produced it, and a forward is taken as
+half its backward (one matmul per two in backward); the first request's gap is not in the
+profile, so its backward is estimated from its bytes at the others' time per byte. This is
+scheduling with release and delivery times on one machine (1|r_j,q_j|C_max); the search is
+a depth-first branch and bound over orders, exact for the few layer groups the mode uses
+by default, and bounded in work beyond: it returns the best order found, never one the model
+rates worse than the greedy replay's.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Dict, Hashable, List, NamedTuple, Sequence, Tuple
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["RequestProfile", "Plan", "build_plan", "LinkCost"]
+__all__ = ["RequestProfile", "Plan", "build_plan", "build_forward_plan", "lane_plan",
+           "LinkCost", "forward_end"]
 
 
 class RequestProfile(NamedTuple):
@@ -110,3 +140,144 @@ def build_plan(requests: Sequence[RequestProfile], credit_bytes: int,
             break
         now = max(now, min(events))
     return Plan(tuple(order), {r.key: len(r.chunk_bytes) for r in requests})
+
+
+# A layer's forward compute over its backward's: backward runs two matmuls per forward one
+# (the gradients of the input and of the weight).
+FORWARD_SHARE = 0.5
+# The branch and bound's budget, in bound terms evaluated (a node with k requests left
+# costs k * k; ~50 ms of Python): it returns the best order found within it. Six layer
+# groups take ~200, twenty ~10^5; a search cut short keeps the best order found so far.
+SEARCH_WORK = 100_000
+
+
+def lane_plan(requests: Sequence[RequestProfile], credit_bytes: int,
+              seconds_per_byte: float, feeds_forward: bool = False) -> Plan:
+    """The plan a lane builds from its profile: the greedy replay (:func:`build_plan`), or,
+    where the next forward consumes the requests in priority order (``feeds_forward``) and
+    every request goes whole, the order :func:`build_forward_plan` finds."""
+    plan = build_plan(requests, credit_bytes, seconds_per_byte)
+    if feeds_forward:
+        return build_forward_plan(requests, seconds_per_byte, seed=plan) or plan
+    return plan
+
+
+def build_forward_plan(requests: Sequence[RequestProfile], seconds_per_byte: float,
+                       seed: Optional[Plan] = None) -> Optional[Plan]:
+    """The order of whole requests that minimises the modelled end of the next forward
+    (see the module docstring); None where a request has several chunks.
+
+    ``seed``: a plan of the same requests (the greedy replay's) whose order the search
+    starts from, so that the result is never rated worse than it. A pure function of the
+    arguments: ties keep the order found first.
+    """
+    if not requests or any(len(r.chunk_bytes) != 1 for r in requests):
+        return None
+    release, work, tail = _forward_model(requests, seconds_per_byte)
+    n = len(requests)
+    index = {r.key: i for i, r in enumerate(requests)}
+    candidates = [_schrage(release, work, tail)]
+    if seed is not None and len(seed.order) == n:
+        candidates.insert(0, [index[key] for key, _ in seed.order])
+    best = min(candidates, key=lambda order: _end(order, release, work, tail))
+    best = _branch_and_bound(release, work, tail, best)
+    return Plan(tuple((requests[i].key, 0) for i in best),
+                {r.key: 1 for r in requests})
+
+
+def forward_end(requests: Sequence[RequestProfile], seconds_per_byte: float,
+                order: Sequence[Hashable]) -> float:
+    """The modelled end of the next forward (seconds after the first request was ready)
+    when whole ``requests`` go in ``order`` (their keys)."""
+    release, work, tail = _forward_model(requests, seconds_per_byte)
+    index = {r.key: i for i, r in enumerate(requests)}
+    return _end([index[key] for key in order], release, work, tail)
+
+
+def _forward_model(requests: Sequence[RequestProfile], seconds_per_byte: float):
+    """Per request: when it is ready, its time on the link, and the forward compute from
+    its first use to the end of the forward (the delivery time)."""
+    n = len(requests)
+    release = [max(0.0, r.ready_s) for r in requests]
+    nbytes = [sum(r.chunk_bytes) for r in requests]
+    work = [b * seconds_per_byte for b in nbytes]
+    arrival = sorted(range(n), key=lambda i: (release[i], i))
+    backward = [0.0] * n
+    for prev, i in zip(arrival, arrival[1:]):
+        backward[i] = release[i] - release[prev]
+    rest_bytes = sum(nbytes[i] for i in arrival[1:])
+    if rest_bytes:
+        backward[arrival[0]] = nbytes[arrival[0]] * sum(backward) / rest_bytes
+    forward = [FORWARD_SHARE * b for b in backward]
+    tail = [sum(forward[j] for j in range(n) if requests[j].priority >= requests[i].priority)
+            for i in range(n)]
+    return release, work, tail
+
+
+def _end(order: Sequence[int], release, work, tail) -> float:
+    link = end = 0.0
+    for i in order:
+        link = max(link, release[i]) + work[i]
+        end = max(end, link + tail[i])
+    return end
+
+
+def _schrage(release, work, tail) -> List[int]:
+    """Whenever the link is free, the ready request with the longest forward after it (or,
+    with none ready, the next to be ready): the classic list schedule."""
+    left = sorted(range(len(release)), key=lambda i: (release[i], i))
+    order: List[int] = []
+    link = 0.0
+    while left:
+        now = max(link, release[left[0]])
+        ready = [i for i in left if release[i] <= now]
+        i = max(ready, key=lambda j: (tail[j], -j))
+        left.remove(i)
+        order.append(i)
+        link = now + work[i]
+    return order
+
+
+def _branch_and_bound(release, work, tail, best: List[int]) -> List[int]:
+    """Depth-first over orders, most promising request first, pruning a partial order
+    whose lower bound cannot beat the best complete one, within ``SEARCH_WORK``.
+
+    Only active orders are tried: a request is not put next if another one could run
+    entirely before it starts (that one going first delays nothing), and the bound of a
+    partial order is the largest of its own end so far, each remaining request started as
+    early as the link allows, and all remaining work back to back plus the smallest
+    forward after any of it."""
+    n = len(release)
+    best_end = _end(best, release, work, tail)
+    budget = SEARCH_WORK
+    stack = [((), 0.0, 0.0)]            # (order so far, link free at, end so far)
+    while stack and budget > 0:
+        order, link, end = stack.pop()
+        left = [i for i in range(n) if i not in order]
+        budget -= len(left) * len(left)
+        if not left:
+            if end < best_end:
+                best_end, best = end, list(order)
+            continue
+        finish = sorted((max(link, release[i]) + work[i], i) for i in left)
+        children = []
+        for i in left:
+            start = max(link, release[i])
+            other = finish[finish[0][1] == i] if len(finish) > 1 else None
+            if other is not None and other[0] <= start:
+                continue                 # another request fits entirely before it
+            done = start + work[i]
+            child_end = max(end, done + tail[i])
+            rest = [j for j in left if j != i]
+            bound = child_end
+            if rest:
+                bound = max(bound,
+                            max(max(done, release[j]) + work[j] + tail[j] for j in rest),
+                            max(done, min(release[j] for j in rest))
+                            + sum(work[j] for j in rest) + min(tail[j] for j in rest))
+            if bound < best_end:
+                children.append((bound, -tail[i], i, done, child_end))
+        # Pushed worst first, so the most promising child is explored next.
+        for bound, _, i, done, child_end in sorted(children, reverse=True):
+            stack.append((order + (i,), done, child_end))
+    return best

@@ -77,7 +77,7 @@ from .calibrate import calibrate, static_choice
 from .config import DECOMPOSITIONS, Config
 from .observer import ChunkRecord, DeviceMark, IterationRecord
 from .partition import Chunk, partition
-from .plan import LinkCost, Plan, RequestProfile, build_plan
+from .plan import LinkCost, Plan, RequestProfile, lane_plan
 from .safety import check_agreement, first_divergence, step_crc
 from .topology import Topology, local_size_from_env
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
@@ -208,6 +208,7 @@ class _Lane:
         self.last_layout = None
         self.stable_iters = 0
         self.link_cost = LinkCost()               # the plan's cost per byte
+        self.feeds_forward = scheduler.feeds_forward and config.plan_forward
         self.failure: Optional[BaseException] = None
         self.dispatch_log: List[tuple] = []
         self.chunks_dispatched = 0
@@ -591,9 +592,9 @@ class _Lane:
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         values = values.tolist()
         profile = [p._replace(ready_s=v) for p, v in zip(profile, values)]
-        plan = build_plan(profile, self.credit_bytes, values[-1])
+        plan = lane_plan(profile, self.credit_bytes, values[-1], self.feeds_forward)
         if self.trace_dispatch:
-            self.dispatch_log.append(("plan", len(plan.order)))
+            self.dispatch_log.append(("plan", plan.order))
         return plan
 
     def _verify_sequences(self) -> bool:
@@ -1038,17 +1039,24 @@ class Scheduler:
     """
 
     def __init__(self, config: Optional[Config] = None, observer=None,
-                 trace_dispatch: bool = False, *, owns_groups: bool = False):
+                 trace_dispatch: bool = False, *, owns_groups: bool = False,
+                 feeds_forward: bool = False):
         """``owns_groups``: the caller issues no collective of its own on a lane's group
         between a request's submission and the end of its iteration (the DDP hook and the
         data-parallel mode: they submit from backward). With ``Config.dispatch`` "auto",
         only such a scheduler's CUDA lanes get a dispatch thread: one running beside a
         caller that does issue collectives on the group could put them in a different
-        order on different ranks."""
+        order on different ranks.
+
+        ``feeds_forward``: the next forward consumes each iteration's requests in priority
+        order while the rest still communicate (the data-parallel mode). With
+        ``Config.plan_forward`` the priority plan then minimises the modelled end of that
+        forward (:func:`commsched.plan.build_forward_plan`) where the requests go whole."""
         self.config = config if config is not None else Config()
         self.observer = observer
         self.trace_dispatch = trace_dispatch
         self.owns_groups = owns_groups
+        self.feeds_forward = feeds_forward
         self._lanes: Dict[object, _Lane] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -1220,7 +1228,8 @@ class Scheduler:
             return [dict(entry) for entry in lane.tuner.log]
 
     def dispatch_log(self, group=None) -> List[tuple]:
-        """(iteration, key, chunk, step) in dispatch order; only with trace_dispatch=True."""
+        """(iteration, key, chunk, step) in dispatch order, and ("plan", order) where a plan
+        was built; only with trace_dispatch=True."""
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         return [] if lane is None else list(lane.dispatch_log)
 

@@ -15,6 +15,11 @@ One iteration, for layer groups g0 (first layer) .. g3 (last layer):
   pre-hook of a forward): a step() call costs ~100-300 us of Python whatever its size, and
   with ~100 layer groups per-group steps cost more CPU than the whole update of DDP.
 
+The lane sends the groups in submission order for ``profile_iters`` iterations, then in
+the order of its plan (policy priority): with whole groups and ``plan_forward``, the order
+that ends the next forward soonest under a model of it (commsched.plan); a group may then
+wait in the lane for one that the forward needs earlier.
+
 Invariant 1 (same requests, same order, on every rank). Groups are submitted strictly in
 descending index order (the reverse of forward order, i.e. the order backward normally
 produces them): a group goes when all its parameters' gradients were accumulated AND every
@@ -133,7 +138,7 @@ class OverlapEngine:
                 # (records the window the lane runs under)
                 observer = self.recorder = open_rank_recorder(lane_config,
                                                               self.groups[0].device)
-            scheduler = Scheduler(lane_config, observer, owns_groups=True)
+            scheduler = Scheduler(lane_config, observer, owns_groups=True, feeds_forward=True)
         self.scheduler = scheduler
         self._adopt_existing_grads()
         self._assign_owners()

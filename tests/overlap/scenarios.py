@@ -49,6 +49,7 @@ class Spec(NamedTuple):
     per_rank_init: bool = False     # every rank initialises differently (see make_model)
     credit: int = 1024              # Config.credit_bytes; 0: a window of whole layer groups
     groups_in_flight: int = 2       # Config.groups_in_flight: that window, in groups
+    hold_first: bool = False        # the lane's plans send the first-submitted group last
 
 
 class FusedLAMB(torch.optim.Adam):
@@ -190,6 +191,8 @@ class Trace:
         self.before_wrap: List[torch.Tensor] = []   # overlap: this rank's own initial state
         self.after_wrap: List[torch.Tensor] = []    # overlap: the state wrap() left
         self.opt_steps = 0                          # overlap: real optimizer step() calls
+        self.plans: List[tuple] = []                # overlap: (feeds_forward, key order)
+        self.dispatch: Dict[int, list] = {}         # overlap: keys in dispatch order
 
 
 def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, group=None):
@@ -280,11 +283,12 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
     config = commsched.Config(decompose=spec.decompose, partition_bytes=256,
                               credit_bytes=spec.credit, dispatch=spec.dispatch,
                               groups_in_flight=spec.groups_in_flight)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _plans(spec, trace):
         warnings.simplefilter("always")
         model, wopt = wrap(inner, opt, config, group, group_bytes=0,
                            reads_grads=spec.reads_grads)
         engine = model._engine
+        engine.scheduler.trace_dispatch = True        # (read when its lanes are created)
         trace.after_wrap = model_state(inner)
         # Registered after wrap: runs after overlap mode's own pre-hook (which is prepended).
         for m in inner.modules():
@@ -301,9 +305,43 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         drain(model)
         trace.final = [p.detach().clone() for p in inner.parameters()]
         trace.state_bytes = state_bytes(opt)
+        trace.dispatch = _dispatched(engine.scheduler.dispatch_log(engine.reduce_group))
         model.close()
     trace.warnings = sum(1 for w in caught if "commsched" in str(w.message))
     return trace
+
+
+@contextlib.contextmanager
+def _plans(spec: Spec, trace: Trace):
+    """Record the plans the scheduler's lanes build (whether the lane feeds the next
+    forward, and the order); with ``spec.hold_first``, move the first entry of each plan
+    of whole requests to its end: the group submitted first then waits in the lane for
+    every other one, the longest hold a plan can ask for."""
+    import commsched.scheduler as scheduler
+    from commsched.plan import Plan
+    real = scheduler.lane_plan
+
+    def lane_plan(profile, credit_bytes, seconds_per_byte, feeds_forward=False):
+        plan = real(profile, credit_bytes, seconds_per_byte, feeds_forward)
+        if spec.hold_first and all(n == 1 for n in plan.layout.values()):
+            plan = Plan(plan.order[1:] + plan.order[:1], plan.layout)
+        trace.plans.append((feeds_forward, [key for key, _ in plan.order]))
+        return plan
+
+    scheduler.lane_plan = lane_plan
+    try:
+        yield
+    finally:
+        scheduler.lane_plan = real
+
+
+def _dispatched(log) -> Dict[int, list]:
+    """Per iteration, the request keys in the order their first collective was issued."""
+    out: Dict[int, list] = {}
+    for entry in log:
+        if entry[0] != "plan" and entry[2] == 0 and entry[3] == 0:
+            out.setdefault(entry[0], []).append(entry[1])
+    return out
 
 
 def _recorder(trace: Trace, module, names):
@@ -359,6 +397,8 @@ def compare(spec: Spec, ref: Trace, got: Trace, names: List[str]) -> dict:
         "state_bytes": got.state_bytes,
         "ref_state_bytes": ref.state_bytes,
         "opt_steps": got.opt_steps,
+        "plans": got.plans,
+        "dispatch": [got.dispatch[i] for i in sorted(got.dispatch)],
     }
     if spec.eval:
         out["eval"] = _maxdiff(ref.evals, got.evals)
@@ -458,6 +498,12 @@ CASES_2 = {
                                 groups_in_flight=1),
     "group_window_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
                                                           dispatch="thread", credit=0),
+    # a plan that holds the first-submitted group back until every other one went
+    "plan_holds_first_group_timing": Spec(opt="adamw_foreach", sleeps=True, credit=0,
+                                          hold_first=True),
+    "plan_holds_first_group_dispatch_thread_unused": Spec(model="branchy", opt="rmsprop",
+                                                          credit=0, hold_first=True,
+                                                          dispatch="thread"),
 }
 
 CASES_4 = {
