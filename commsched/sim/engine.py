@@ -7,7 +7,8 @@ The engine replays the scheduler's policy, reusing its code where the policy is 
   all_gather);
 * dispatch order: submission order (fifo); or (priority) a given plan — e.g. the one a
   recorded run used — followed as ``_Lane._peek`` follows it, else the plan
-  :func:`commsched.plan.build_plan` makes from the iteration's own submission profile, with
+  :func:`commsched.plan.lane_plan` makes from the iteration's own submission profile (in
+  mode dp with ``plan_forward``: the order that ends the next forward soonest), with
   the cost per byte the scheduler would have measured in its fifo warm-up iterations (chunk
   dispatch to completion, queueing included), obtained from a fifo replay of the profile;
 * head of line: chunk ``k`` of the order is dispatched no earlier than chunk ``k-1``, once
@@ -45,7 +46,7 @@ from typing import Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 from ..collectives import steps_for
 from ..partition import partition
-from ..plan import LinkCost, Plan, RequestProfile, build_plan
+from ..plan import LinkCost, Plan, RequestProfile, lane_plan
 from .model import SimError
 
 __all__ = ["SimRequest", "SimConfig", "IterationProfile", "StepTiming", "SimResult",
@@ -122,6 +123,7 @@ class SimConfig:
     policy: str = "priority"
     decompose: str = "none"
     world_size: int = 2
+    plan_forward: bool = True       # mode dp: the plan minimises the next forward's end
 
     def __post_init__(self) -> None:
         for name in ("partition_bytes", "credit_bytes"):
@@ -141,10 +143,11 @@ class SimConfig:
         """From a :class:`commsched.config.Config` (or a dict of its fields)."""
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
         base = cls()
+        # (a run recorded before plan_forward existed used the greedy replay)
         return cls(int(get("partition_bytes", base.partition_bytes)),
                    int(get("credit_bytes", base.credit_bytes)),
                    str(get("policy", base.policy)), str(get("decompose", base.decompose)),
-                   int(world_size))
+                   int(world_size), bool(get("plan_forward", False)))
 
     def replace(self, **changes) -> "SimConfig":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -251,7 +254,8 @@ def simulate(profile: IterationProfile, cost_model, config: SimConfig,
     busy = 0.0
     for lane, reqs in lanes.items():
         plan = plans.get(lane) if plans and config.policy == "priority" else None
-        lane_steps, order, lane_busy = _replay_lane(lane, reqs, cost_model, config, plan)
+        lane_steps, order, lane_busy = _replay_lane(lane, reqs, cost_model, config, plan,
+                                                    mode == "dp")
         steps += lane_steps
         orders[lane] = order
         busy += lane_busy
@@ -275,7 +279,7 @@ def _chunks(reqs: Sequence[SimRequest], config: SimConfig):
 
 
 def _replay_lane(lane: str, reqs: List[SimRequest], cost_model, config: SimConfig,
-                 plan: Optional[Plan] = None):
+                 plan: Optional[Plan] = None, feeds_forward: bool = False):
     chunks = _chunks(reqs, config)
     fifo = [(i, c) for i, sizes in enumerate(chunks) for c in range(len(sizes))]
     if config.policy == "fifo":
@@ -284,7 +288,7 @@ def _replay_lane(lane: str, reqs: List[SimRequest], cost_model, config: SimConfi
         order = _follow_plan(reqs, chunks, plan)
     else:
         timeline, _ = _timeline(lane, reqs, chunks, fifo, cost_model, config)
-        order = _plan_order(reqs, chunks, timeline, config)
+        order = _plan_order(reqs, chunks, timeline, config, feeds_forward)
     timeline, busy = _timeline(lane, reqs, chunks, order, cost_model, config)
     return timeline, tuple((reqs[i].key, c) for i, c in order), busy
 
@@ -303,8 +307,9 @@ def _follow_plan(reqs, chunks, plan: Plan):
     return order
 
 
-def _plan_order(reqs, chunks, fifo_timeline: List[StepTiming], config: SimConfig):
-    """The priority plan the scheduler builds: ``build_plan`` on the profile, with the
+def _plan_order(reqs, chunks, fifo_timeline: List[StepTiming], config: SimConfig,
+                feeds_forward: bool = False):
+    """The priority plan the scheduler builds: ``lane_plan`` on the profile, with the
     seconds per byte it accumulates over its fifo warm-up (``LinkCost``: the time the link
     was busy with the steps, in issue order)."""
     cost = LinkCost()
@@ -317,7 +322,8 @@ def _plan_order(reqs, chunks, fifo_timeline: List[StepTiming], config: SimConfig
     seconds_per_byte = cost.seconds_per_byte
     profile = [RequestProfile(i, r.priority, r.dispatchable_s, chunks[i])
                for i, r in enumerate(reqs)]
-    plan = build_plan(profile, config.credit_bytes, seconds_per_byte)
+    plan = lane_plan(profile, config.credit_bytes, seconds_per_byte,
+                     feeds_forward and config.plan_forward)
     return list(plan.order)
 
 

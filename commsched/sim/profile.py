@@ -25,9 +25,11 @@ tail                measured iteration - max(compute end, measured last chunk en
 dispatch order      per iteration, the order of ``t_dispatch_ns`` (validation compares the
                     replayed order with it).
 plan                with policy priority, the plan the scheduler used in the steady
-                    iterations, rebuilt as it built it: ``build_plan`` on the submission
+                    iterations, rebuilt as it built it: ``lane_plan`` on the submission
                     profile of the iteration before the first planned one, with the cost per
-                    byte (chunk dispatch to completion) of every chunk before it.
+                    byte (chunk dispatch to completion) of every chunk before it
+                    (``RecordedRun.plan_for(mode)``: in mode dp, the data-parallel mode's
+                    plan for the next forward where the run had ``plan_forward``).
 
 Times are relative to the iteration's first submission on any rank when every rank ran on
 one host (``runs.host``: one clock), else to the iteration's first submission on each rank;
@@ -48,7 +50,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..plan import LinkCost, Plan, RequestProfile, build_plan
+from ..plan import LinkCost, Plan, RequestProfile, lane_plan
 from ..telemetry.errors import TelemetryError
 from ..telemetry.store import RunData, load_run
 from .engine import IterationProfile, SimConfig, SimRequest, chunk_bytes
@@ -95,6 +97,17 @@ class RecordedRun:
     fit_rows: List[dict]                 # comm_ops rows of the steady iterations
     notes: List[str] = field(default_factory=list)
     plan: Optional[Dict[str, Plan]] = None   # priority: the plan of the steady iterations
+    # (the profile, credit window and cost per byte that plan was built from)
+    plan_inputs: Optional[tuple] = None
+
+    def plan_for(self, mode: str) -> Optional[Dict[str, Plan]]:
+        """The recorded plan as the scheduler built it for a run of ``mode`` ("ddp": the
+        greedy replay, ``plan``; "dp": the data-parallel mode's, for the next forward where
+        the run had ``plan_forward``)."""
+        if mode != "dp" or self.plan_inputs is None or not self.config.get("plan_forward"):
+            return self.plan
+        profile, credit_bytes, seconds_per_byte = self.plan_inputs
+        return {self.lane: lane_plan(profile, credit_bytes, seconds_per_byte, True)}
 
     def sim_config(self, **changes) -> SimConfig:
         return SimConfig.from_config(self.config, self.world_size).replace(**changes)
@@ -214,15 +227,18 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
                 if r["iteration"] in steady_ids]
     run = RecordedRun(data.run_dir, lane, world, ranks, config, out, steady, fit_rows, notes)
     _check_partition(run)
-    run.plan = _recorded_plan(run, chunks)
+    run.plan_inputs = _recorded_plan_inputs(run, chunks)
+    if run.plan_inputs is not None:
+        run.plan = {run.lane: lane_plan(*run.plan_inputs)}
     return run
 
 
-def _recorded_plan(run: RecordedRun, chunks) -> Optional[Dict[str, Plan]]:
-    """The plan the scheduler used in the steady iterations, rebuilt as it built it: from
-    the submission profile of the iteration before the first planned one (MAX over ranks),
-    with the cost per byte measured over every chunk before (dispatch to completion, MAX
-    over ranks). None when the run is fifo or that iteration was not recorded whole."""
+def _recorded_plan_inputs(run: RecordedRun, chunks) -> Optional[tuple]:
+    """What the scheduler built the plan of the steady iterations from: the submission
+    profile of the iteration before the first planned one (MAX over ranks), the credit
+    window, and the cost per byte measured over every chunk before (dispatch to
+    completion, MAX over ranks). None when the run is fifo or that iteration was not
+    recorded whole."""
     if run.config.get("policy", "priority") != "priority" or not run.steady:
         return None
     by_index = {it.iteration: it for it in run.iterations}
@@ -252,7 +268,7 @@ def _recorded_plan(run: RecordedRun, chunks) -> Optional[Dict[str, Plan]]:
                               chunk_bytes(r, config)) for r in source.profile.requests]
     run.notes.append(f"replaying the recorded plan: built from iteration {first - 1}'s "
                      f"profile, in force from iteration {first}")
-    return {run.lane: build_plan(profile, config.credit_bytes, max(costs))}
+    return profile, config.credit_bytes, max(costs)
 
 
 def _config(data: RunData, notes: List[str]) -> dict:

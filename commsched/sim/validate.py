@@ -113,7 +113,7 @@ def _validate_one(run: RecordedRun, runs: List[RecordedRun], fit: str, mode: str
     for it in run.steady:
         p = it.profile
         profile = type(p)(p.requests, p.compute_end_s, tail, p.forward_s)
-        r = simulate(profile, model, config, mode, run.plan)
+        r = simulate(profile, model, config, mode, run.plan_for(mode))
         predicted.append(r.iteration_s)
         exposed_pred.append(max(0.0, r.comm_end_s - p.compute_end_s))
         same_order += tuple(r.order[run.lane]) == it.order

@@ -178,7 +178,8 @@ def build_whatif(run: RecordedRun, args: argparse.Namespace) -> dict:
              "iteration_ms": run.measured_s * ms,
              "exposed_ms": _median([it.exposed_s for it in run.steady]) * ms}]
     if fitted is not None:
-        replays = [("recorded, replayed (fitted costs)", run.sim_config(), run.plan)]
+        replays = [("recorded, replayed (fitted costs)", run.sim_config(),
+                    run.plan_for(args.mode))]
         if changes:
             replays.append(("recorded size, overrides (fitted costs)", base, None))
         for scenario, config, plan in replays:

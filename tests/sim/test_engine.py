@@ -116,6 +116,21 @@ def test_data_parallel_mode_forward_waits_for_its_layer_only():
     assert prio.exposed_s == 3.0
 
 
+def test_data_parallel_mode_replays_the_plan_for_the_next_forward():
+    # Four whole groups, d (last layer) .. a (first), 2 s each on the link, ready 1 s
+    # apart from d at 0 (tests/test_plan.py's worked example): the greedy replay sends them
+    # as they come, the plan for the next forward holds c back until b and a went.
+    reqs = tuple(SimRequest(k, 8, float(i), priority=3 - i) for i, k in enumerate("dcba"))
+    profile = IterationProfile(reqs, compute_end_s=4.0, tail_s=4.0)
+    model, cfg = AlphaBeta(0.0, 0.25), SimConfig(0, 16, "priority", "none", 2)
+    dp = simulate(profile, model, cfg, mode="dp")
+    assert [k for k, _ in dp.order["g0"]] == ["d", "b", "a", "c"]
+    greedy = simulate(profile, model, cfg.replace(plan_forward=False), mode="dp")
+    ddp = simulate(profile, model, cfg, mode="ddp")
+    assert [k for k, _ in greedy.order["g0"]] == ["d", "c", "b", "a"]
+    assert greedy.order == ddp.order
+
+
 def test_rs_ag_runs_two_dependent_steps_per_chunk():
     # 16 bytes of float32 on 2 ranks, partition 8: chunks of 2 elements (a multiple of 2).
     # RS 1 s, AG 2 s, credit one chunk: c0 RS [0,1] AG [1,3]; c1 RS [3,4] AG [4,6].
