@@ -685,6 +685,8 @@ MODES: List[Mode] = [
          lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
     Mode("commsched_dp_inline", "6d as 6, collectives issued by the autograd thread "
          "(COMMSCHED_DISPATCH=inline)", lambda bench: run_commsched_dp(bench, dispatch="inline")),
+    Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
+         lambda bench: run_commsched_dp(bench, plan_forward=False)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
