@@ -163,8 +163,11 @@ def _device_flush(rank, world, port):
         with tempfile.TemporaryDirectory() as run_dir:
             rec = open_recorder(commsched.Config(telemetry_dir=run_dir), rank=rank,
                                 world_size=world, nvml_period_ms=0)
+            # (fifo: a priority plan's profile exchange, in iteration 2, waits for the
+            # device; inline, on this thread, which would then no longer be ahead)
             sched = commsched.Scheduler(
-                commsched.Config(partition_bytes=0, credit_bytes=0, dispatch=dispatch),
+                commsched.Config(partition_bytes=0, credit_bytes=0, dispatch=dispatch,
+                                 policy="fifo"),
                 observer=rec)
             host_flush = []
             for k in range(4):
