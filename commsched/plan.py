@@ -243,7 +243,8 @@ def _branch_and_bound(release, work, tail, best: List[int]) -> List[int]:
     whose lower bound cannot beat the best complete one, within ``SEARCH_WORK``.
 
     Only active orders are tried: a request is not put next if another one could run
-    entirely before it starts (that one going first delays nothing), and the bound of a
+    entirely before it starts (that one going first delays nothing; of two that take no
+    time and could start together, neither is left out), and the bound of a
     partial order is the largest of its own end so far, each remaining request started as
     early as the link allows, and all remaining work back to back plus the smallest
     forward after any of it."""
@@ -264,7 +265,8 @@ def _branch_and_bound(release, work, tail, best: List[int]) -> List[int]:
         for i in left:
             start = max(link, release[i])
             other = finish[finish[0][1] == i] if len(finish) > 1 else None
-            if other is not None and other[0] <= start:
+            if other is not None and (other[0] < start
+                                      or other[0] == start and work[other[1]] > 0):
                 continue                 # another request fits entirely before it
             done = start + work[i]
             child_end = max(end, done + tail[i])

@@ -103,12 +103,16 @@ def test_next_forward_ends_sooner_when_a_ready_group_waits():
         pytest.approx(9.0)
 
 
-def test_forward_plan_is_an_optimal_order_of_its_model():
+@pytest.mark.parametrize("ties", [False, True])
+def test_forward_plan_is_an_optimal_order_of_its_model(ties):
+    # ties: requests ready at the same moments, some of no bytes (taking no link time)
     rnd = random.Random(7)
-    for case in range(200):
+    for case in range(300):
         n = rnd.randint(1, 6)
-        reqs = [RequestProfile(f"r{i}", rnd.randint(0, n), rnd.uniform(0.0, 0.05),
-                               (rnd.randint(1, 100) << 20,)) for i in range(n)]
+        reqs = [RequestProfile(f"r{i}", rnd.randint(0, n),
+                               rnd.choice((0.0, 0.01, 0.02)) if ties else rnd.uniform(0, 0.05),
+                               (0 if ties and rnd.random() < 0.4 else rnd.randint(1, 100) << 20,))
+                for i in range(n)]
         spb = rnd.uniform(0.2, 2.0) * 1e-3 / (1 << 20)
         plan = build_forward_plan(reqs, spb)
         keys = [k for k, _ in plan.order]
