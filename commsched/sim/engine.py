@@ -230,7 +230,7 @@ def simulate(profile: IterationProfile, cost_model, config: SimConfig,
     ``cost_model`` (any object with ``cost_s(step, decompose, nbytes, world_size)``).
 
     ``plans``: with policy priority, the plan in force per lane (e.g. the one a recorded
-    run actually used, :attr:`RecordedRun.plan`) instead of one built from ``profile``; it
+    run actually used, :meth:`RecordedRun.plan_for`) instead of one built from ``profile``; it
     is followed as the scheduler follows it: its entries whose request has the planned
     chunk count, in order, then every other request's chunks in submission order.
 

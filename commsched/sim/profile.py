@@ -96,18 +96,18 @@ class RecordedRun:
     steady: List[RecordedIteration]      # same layout, with a period (and planned if priority)
     fit_rows: List[dict]                 # comm_ops rows of the steady iterations
     notes: List[str] = field(default_factory=list)
-    plan: Optional[Dict[str, Plan]] = None   # priority: the plan of the steady iterations
-    # (the profile, credit window and cost per byte that plan was built from)
+    # priority: the profile, credit window and cost per byte the plan of the steady
+    # iterations was built from (see plan_for)
     plan_inputs: Optional[tuple] = None
 
     def plan_for(self, mode: str) -> Optional[Dict[str, Plan]]:
-        """The recorded plan as the scheduler built it for a run of ``mode`` ("ddp": the
-        greedy replay, ``plan``; "dp": the data-parallel mode's, for the next forward where
-        the run had ``plan_forward``)."""
-        if mode != "dp" or self.plan_inputs is None or not self.config.get("plan_forward"):
-            return self.plan
-        profile, credit_bytes, seconds_per_byte = self.plan_inputs
-        return {self.lane: lane_plan(profile, credit_bytes, seconds_per_byte, True)}
+        """The plan of the steady iterations as the scheduler built it for a run of
+        ``mode`` ("ddp": the greedy replay; "dp": the data-parallel mode's, for the next
+        forward where the run had ``plan_forward``); None where the run had no plan."""
+        if self.plan_inputs is None:
+            return None
+        feeds_forward = mode == "dp" and bool(self.config.get("plan_forward"))
+        return {self.lane: lane_plan(*self.plan_inputs, feeds_forward)}
 
     def sim_config(self, **changes) -> SimConfig:
         return SimConfig.from_config(self.config, self.world_size).replace(**changes)
@@ -228,8 +228,6 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
     run = RecordedRun(data.run_dir, lane, world, ranks, config, out, steady, fit_rows, notes)
     _check_partition(run)
     run.plan_inputs = _recorded_plan_inputs(run, chunks)
-    if run.plan_inputs is not None:
-        run.plan = {run.lane: lane_plan(*run.plan_inputs)}
     return run
 
 

@@ -62,3 +62,25 @@ def test_ranks_of_different_hosts_are_each_on_their_own_clock():
     assert it.profile.requests[0].ready_s == pytest.approx(0.0)
     assert it.profile.compute_end_s == pytest.approx(0.0)
     assert it.exposed_s == pytest.approx(4e-3)
+
+
+def test_a_recorded_plan_is_rebuilt_for_the_mode_it_is_replayed_in():
+    from commsched.plan import RequestProfile
+    from commsched.sim.profile import RecordedRun
+
+    # tests/test_plan.py's four groups: the greedy replay sends them as they come, the
+    # data-parallel mode's plan holds c back; a run without plan_forward (or recorded
+    # before it existed) replays greedy in both modes.
+    profile = [RequestProfile(k, 3 - i, float(i), (2,)) for i, k in enumerate("dcba")]
+
+    def run(config):
+        return RecordedRun("run", "g0", 2, [0, 1], config, [], [], [],
+                           plan_inputs=(profile, 4, 1.0))
+
+    def keys(plans):
+        return [k for k, _ in plans["g0"].order]
+
+    assert keys(run({"plan_forward": True}).plan_for("dp")) == list("dbac")
+    assert keys(run({"plan_forward": True}).plan_for("ddp")) == list("dcba")
+    assert keys(run({}).plan_for("dp")) == list("dcba")
+    assert RecordedRun("run", "g0", 2, [0, 1], {}, [], [], []).plan_for("dp") is None
