@@ -156,9 +156,10 @@ class Config:
     order commits a group as soon as it is ready, so the first layers' groups, ready last,
     queue behind it and the next forward waits for the whole iteration's communication.
     Measured on 2x H200 (GPT 405M, six 256 MiB groups, micro-batch 4, 3-4 interleaved
-    rounds per launch), ms/iteration with / without: host path 65.5 / 67.7 and 65.7 / 68.9
-    (comm only 60.9 and 61.5); NVLink, host-bound, 37.3 / 44.6 and 49.2 / 50.7. Micro-batch
-    16: host path 94.8 / 97.0, NVLink 74.5 / 74.8."""
+    rounds per launch), ms/iteration with / without, one launch per pair: host path
+    65.5 / 67.7, 65.7 / 68.9 and 65.5 / 70.2 (comm only 60.9, 61.5, 60.5); NVLink,
+    host-bound, 37.3 / 44.6, 49.2 / 50.7 and 49.6 / 64.1. Micro-batch 16: host path
+    94.8 / 97.0, NVLink 74.5 / 74.8."""
 
     decompose: str = field(default="none", metadata=_env(
         "COMMSCHED_DECOMPOSE",
