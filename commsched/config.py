@@ -157,9 +157,9 @@ class Config:
     queue behind it and the next forward waits for the whole iteration's communication.
     Measured on 2x H200 (GPT 405M, six 256 MiB groups, micro-batch 4, 3-4 interleaved
     rounds per launch), ms/iteration with / without, one launch per pair: host path
-    65.5 / 67.7, 65.7 / 68.9 and 65.5 / 70.2 (comm only 60.9, 61.5, 60.5); NVLink,
-    host-bound, 37.3 / 44.6, 49.2 / 50.7 and 49.6 / 64.1. Micro-batch 16: host path
-    94.8 / 97.0, NVLink 74.5 / 74.8."""
+    65.5 / 67.7, 65.7 / 68.9, 65.5 / 70.2 and 64.4 / 69.1 (comm only 60.5-61.5); NVLink,
+    host-bound, 37.3 / 44.6, 49.2 / 50.7, 49.6 / 64.1 and 55.7 / 55.6. Micro-batch 16:
+    host path 94.8 / 97.0, NVLink 74.5 / 74.8."""
 
     decompose: str = field(default="none", metadata=_env(
         "COMMSCHED_DECOMPOSE",
