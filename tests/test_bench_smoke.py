@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
                "throughput_unit", "ratio_to_bound")
 ITERS = 2
+WINDOW = 3      # BENCH_WINDOW of the harness run: one interior step per window
 
 
 def run_script(script: str, args: list, timeout: float,
@@ -83,7 +85,8 @@ def harness_run(tmp_path_factory, harness_tmpdir):
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--timeout", "200",
                                      "--modes", ",".join(modes), "--out", str(out)],
-                      timeout=240, env={"TMPDIR": str(harness_tmpdir)})
+                      timeout=240, env={"TMPDIR": str(harness_tmpdir),
+                                        "BENCH_WINDOW": str(WINDOW)})
     document = json.loads(out.read_text()) if out.exists() else None
     return proc, document
 
@@ -139,6 +142,11 @@ def test_harness_reports_every_mode_with_a_number_or_a_reason(harness_run):
                 assert len(result["iter_ms"]) == ITERS, name
                 assert all(is_number(t) for t in result["iter_ms"]), name
                 assert result["p10_ms"] <= result["median_ms"] <= result["p90_ms"], name
+                steady = result["steady_ms"]
+                assert len(steady) == ITERS * (WINDOW - 2), name
+                assert all(is_number(t) and t > 0 for t in steady), name
+                assert result["steady_median_ms"] == statistics.median(steady), name
+                assert is_number(result["steady_ratio_to_bound"]), name
         else:
             assert isinstance(result["reason"], str) and result["reason"].strip(), name
             assert result["median_ms"] is None, name
@@ -153,6 +161,9 @@ def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
     assert bound["median_ms"] == max(modes["compute_only"]["median_ms"],
                                      modes["comm_only"]["median_ms"])
     assert bound["ratio_to_bound"] == 1.0
+    assert bound["steady_median_ms"] == max(modes["compute_only"]["steady_median_ms"],
+                                            modes["comm_only"]["steady_median_ms"])
+    assert bound["steady_ratio_to_bound"] == 1.0
     assert modes["comm_only"]["buckets"] == len(modes["comm_only"]["bucket_bytes"]) >= 1
     assert is_number(modes["compute_only"]["throughput"])
 
@@ -301,12 +312,32 @@ def test_merge_round_pools_samples_and_keeps_the_largest_peak():
     b = {"status": "ok", "iter_ms": [5.0, 7.0], "peak_mem_bytes": 9,
          "peak_mem_bytes_max_rank": 4, "throughput": 4.0}
     b.update(harness.summarize_ms(b["iter_ms"]))
+    a["steady_ms"], b["steady_ms"] = [1.5, 2.5], [6.0]
     merged = harness.merge_round(harness.merge_round(None, a), b)
     assert merged["iter_ms"] == [1.0, 3.0, 5.0, 7.0]
+    assert merged["steady_ms"] == [1.5, 2.5, 6.0] and merged["steady_median_ms"] == 2.5
     assert merged["median_ms"] == 4.0 and merged["round_medians_ms"] == [2.0, 6.0]
     assert (merged["peak_mem_bytes"], merged["peak_mem_bytes_max_rank"]) == (9, 6)
     failed = {"status": "error", "reason": "x"}
     assert harness.merge_round(merged, failed) is failed
+
+
+def test_step_marks_keep_the_intervals_between_interior_step_starts(monkeypatch):
+    # Steps 0..4 start at these host times (s): the intervals kept are those of steps 1-3.
+    starts = iter([0.0, 0.010, 0.030, 0.060, 0.100])
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: next(starts))
+    marks = harness.StepMarks(5, cuda=False)
+    for k in range(5):
+        marks.mark(k)
+    marks.end_window()
+    assert marks.intervals_ms == pytest.approx([20.0, 30.0, 40.0])
+    # A window of two steps has no interior step.
+    starts = iter([0.0, 0.010])
+    marks = harness.StepMarks(2, cuda=False)
+    for k in range(2):
+        marks.mark(k)
+    marks.end_window()
+    assert marks.intervals_ms == []
 
 
 def test_parse_bytes():

@@ -45,6 +45,7 @@ import json
 import os
 import pickle
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -274,6 +275,42 @@ class PhaseProbe:
                 for phase in self.PHASES}
 
 
+class StepMarks:
+    """The steady state of a window: the time from the start of each step to the start of
+    the next, for the window's interior steps (1 to k-2 of steps 0 to k-1).
+
+    A window's mean pays once for its ends: it starts with nothing in flight and ends
+    with a device synchronisation, which waits for the communication that would
+    otherwise run into the next forward. A mode that overlaps one iteration with the next
+    (the data-parallel mode) pays that drain once per window, the others about nothing.
+    Between two interior step starts, every mode runs as it does in training, with no
+    synchronisation. Starts are CUDA events on the training stream (where the device got
+    to), or host times on CPU."""
+
+    def __init__(self, window: int, cuda: bool):
+        self.window = window
+        self.events = ([torch.cuda.Event(enable_timing=True) for _ in range(window)]
+                       if cuda else None)
+        self.host = [0.0] * window
+        self.intervals_ms: List[float] = []
+
+    def mark(self, k: int) -> None:
+        """Step ``k`` of the window starts."""
+        if self.events is not None:
+            self.events[k].record()
+        else:
+            self.host[k] = time.perf_counter()
+
+    def end_window(self) -> None:
+        """After the window's device synchronisation: keep its interior intervals."""
+        for k in range(1, self.window - 1):
+            if self.events is not None:
+                ms = self.events[k].elapsed_time(self.events[k + 1])
+            else:
+                ms = (self.host[k + 1] - self.host[k]) * 1e3
+            self.intervals_ms.append(ms)
+
+
 class Bench:
     """Per-worker context handed to every mode: rank, device, workload, timing settings, and
     a cache shared by the modes of one workload (DDP's bucket sizes)."""
@@ -297,6 +334,7 @@ class Bench:
         self.phases: Optional[Dict[str, Dict[str, float]]] = None
         self.threads: Optional[Dict[str, Dict[str, float]]] = None
         self.scratch: List[str] = []    # temporary telemetry directories of the current mode
+        self.steady_ms: List[float] = []    # the last time()'s interior step intervals
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
@@ -385,16 +423,19 @@ class Bench:
         window = max(1, int(os.environ.get("BENCH_WINDOW", "1")))
         probe = (PhaseProbe(window)
                  if self.cuda and os.environ.get("BENCH_PHASES") == "1" else None)
+        marks = StepMarks(window, self.cuda)
         for _ in range(self.iters):
             self.sync()
             if probe is not None:
                 probe.begin_window()
                 self.probe = probe
             start = time.perf_counter()
-            for _ in range(window):
+            for k in range(window):
+                marks.mark(k)
                 step()
             self.sync()
             times.append((time.perf_counter() - start) * 1e3 / window)
+            marks.end_window()
             self.probe = None
             if probe is not None:
                 probe.end_window()
@@ -402,6 +443,7 @@ class Bench:
         # time goes when the GPU is not the bottleneck.
         self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / (self.iters * window),
                        (time.thread_time() - main0) * 1e3 / (self.iters * window))
+        self.steady_ms = marks.intervals_ms
         if os.environ.get("BENCH_PRINT_CPU") and dist.get_rank() == 0:
             print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
                   f"{self.cpu_ms[1]:.1f}; median {sorted(times)[len(times) // 2]:.1f} ms",
@@ -820,7 +862,8 @@ def empty_result(mode: Mode, status: str, reason: Optional[str]) -> Dict[str, An
                               "reason": reason}
     result.update({k: None for k in RESULT_KEYS})
     result.update({"iter_ms": [], "peak_mem_bytes": None, "peak_mem_bytes_max_rank": None,
-                   "throughput": None, "throughput_unit": None, "ratio_to_bound": None})
+                   "throughput": None, "throughput_unit": None, "ratio_to_bound": None,
+                   "steady_ms": [], "steady_median_ms": None, "steady_ratio_to_bound": None})
     return result
 
 
@@ -857,6 +900,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     failed = 0
     bench.cpu_ms = None
     bench.phases = bench.threads = None
+    bench.steady_ms = []
     bench.mode_name = mode.name
     memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None
     baseline = start_memory_history(bench) if memory_dir else 0
@@ -865,6 +909,9 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         result = empty_result(mode, "ok", None)
         result.update(summarize_ms(measured["iter_ms"]))
         result.update(measured)
+        if bench.steady_ms:
+            result["steady_ms"] = bench.steady_ms
+            result["steady_median_ms"] = statistics.median(bench.steady_ms)
         if bench.cpu_ms is not None:
             result["cpu_ms_per_iter"] = {"process": bench.cpu_ms[0],
                                          "training_thread": bench.cpu_ms[1]}
@@ -925,12 +972,18 @@ def finish_run(run: Dict[str, Any], table: Sequence[Mode] = MODES) -> Dict[str, 
         bound["limited_by"] = limiting["name"]
         bound["throughput"] = (run["items_per_step"] / (bound["median_ms"] / 1e3))
         bound["throughput_unit"] = f"{run['unit']}/s"
+        if compute.get("steady_median_ms") and comm.get("steady_median_ms"):
+            bound["steady_median_ms"] = max(compute["steady_median_ms"],
+                                            comm["steady_median_ms"])
     else:
         bound = empty_result(bound_mode, "n/a", "needs compute_only and comm_only")
     modes["bound"] = bound
     for result in modes.values():
         if result["status"] == "ok" and bound["status"] == "ok":
             result["ratio_to_bound"] = result["median_ms"] / bound["median_ms"]
+            if result.get("steady_median_ms") and bound.get("steady_median_ms"):
+                result["steady_ratio_to_bound"] = (result["steady_median_ms"]
+                                                   / bound["steady_median_ms"])
     run["modes"] = {m.name: modes[m.name] for m in table}
     return run
 
@@ -949,6 +1002,9 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
     merged["iter_ms"] = previous["iter_ms"] + result["iter_ms"]
     merged.update(summarize_ms(merged["iter_ms"]))
     merged["round_medians_ms"] = previous["round_medians_ms"] + [result["median_ms"]]
+    if previous.get("steady_ms") and result.get("steady_ms"):
+        merged["steady_ms"] = previous["steady_ms"] + result["steady_ms"]
+        merged["steady_median_ms"] = statistics.median(merged["steady_ms"])
     for key in ("peak_mem_bytes", "peak_mem_bytes_max_rank"):
         if previous.get(key) is not None and result.get(key) is not None:
             merged[key] = max(previous[key], result[key])
@@ -972,6 +1028,8 @@ def progress_line(regime: str, model: str, result: Dict[str, Any]) -> str:
     text = (f"{head} {result['median_ms']:.2f} ms/iter median")
     if result.get("p10_ms") is not None:
         text += f" (p10 {result['p10_ms']:.2f}, p90 {result['p90_ms']:.2f})"
+    if result.get("steady_median_ms"):
+        text += f", steady {result['steady_median_ms']:.2f}"
     if result.get("throughput"):
         text += f", {result['throughput']:.0f} {result['throughput_unit']}"
     if result.get("peak_mem_bytes"):
@@ -1106,7 +1164,7 @@ def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
 def results_table(document: Dict[str, Any]) -> str:
     """The markdown table of every run and mode."""
     headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "x bound",
-               "throughput", "peak GiB", "note"]
+               "steady ms", "steady x bound", "throughput", "peak GiB", "note"]
     rows = []
     for launch in document["launches"]:
         for run in launch["runs"]:
@@ -1115,7 +1173,9 @@ def results_table(document: Dict[str, Any]) -> str:
                     continue  # in the JSON; the table keeps to what was asked for
                 rows.append([run["regime"], run["model"], result["label"],
                              fmt(result["median_ms"], 2), _spread(result),
-                             fmt(result["ratio_to_bound"], 2), _throughput(result),
+                             fmt(result["ratio_to_bound"], 2),
+                             fmt(result.get("steady_median_ms"), 2),
+                             fmt(result.get("steady_ratio_to_bound"), 2), _throughput(result),
                              None if not result["peak_mem_bytes"]
                              else fmt(result["peak_mem_bytes"] / 2**30, 2),
                              _note(result)])
