@@ -80,6 +80,7 @@ from .partition import Chunk, partition
 from .plan import LinkCost, Plan, RequestProfile, lane_plan
 from .safety import check_agreement, first_divergence, step_crc
 from .topology import Topology, local_size_from_env
+from .telemetry.device_clock import host_times_ns
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 from .threads import start_thread
 
@@ -843,12 +844,9 @@ class _Lane:
         when the thread saw it finish."""
         if not (self.cuda and self.timed):
             return [t_seen] * len(batch)
-        clock = self.clock_event
-        clock.record(self.clock_stream)
-        clock.synchronize()
-        t_clock = time.time_ns()
         try:
-            return [t_clock - int(item[4].elapsed_time(clock) * 1e6) for item in batch]
+            return host_times_ns([item[4] for item in batch], self.clock_stream,
+                                 self.clock_event)
         except RuntimeError:              # an event that did not complete (a failure)
             return [t_seen] * len(batch)
 

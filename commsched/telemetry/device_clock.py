@@ -11,11 +11,22 @@ completes at once), as the scheduler times its collectives.
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..observer import DeviceMark
 
-__all__ = ["DeviceClock"]
+__all__ = ["DeviceClock", "host_times_ns"]
+
+
+def host_times_ns(events: Sequence, stream, clock) -> List[int]:
+    """The ``time.time_ns()`` times at which the device got to ``events`` (timed CUDA events
+    that completed): ``clock``, a timed event recorded now on ``stream``, an idle stream of
+    the same device, completes at once, and each event's elapsed time to it is taken off
+    the host time then. Raises RuntimeError for an event that cannot be timed."""
+    clock.record(stream)
+    clock.synchronize()
+    t_now = time.time_ns()
+    return [t_now - int(event.elapsed_time(clock) * 1e6) for event in events]
 
 
 class DeviceClock:
@@ -39,10 +50,6 @@ class DeviceClock:
                 clock = (torch.cuda.Stream(mark.device),
                          torch.cuda.Event(enable_timing=True, blocking=True))
                 self._clocks[mark.device] = clock
-            stream, now = clock
-            now.record(stream)
-            now.synchronize()
-            t_now = time.time_ns()
-            return True, t_now - int(mark.event.elapsed_time(now) * 1e6)
+            return True, host_times_ns([mark.event], *clock)[0]
         except RuntimeError:
             return True, None

@@ -119,3 +119,28 @@ def test_a_failed_writer_keeps_no_record_waiting_for_a_mark(tmp_path):
     assert [w.category for w in caught] == [TelemetryWarning]
     assert not writer._marked
     assert writer.close(timeout=30)
+
+
+def test_host_times_are_now_less_each_event_s_lead_over_a_clock_recorded_now(monkeypatch):
+    from commsched.telemetry import device_clock
+
+    calls = []
+
+    class ClockEvent:
+        def record(self, stream):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("synchronize",))
+
+    class Timed:
+        def __init__(self, lead_ms):
+            self.lead_ms = lead_ms
+
+        def elapsed_time(self, other):
+            assert calls == [("record", "idle"), ("synchronize",)]
+            return self.lead_ms
+
+    monkeypatch.setattr(device_clock.time, "time_ns", lambda: 10 * MS)
+    got = device_clock.host_times_ns([Timed(2.0), Timed(0.5)], "idle", ClockEvent())
+    assert got == [8 * MS, int(9.5 * MS)]
