@@ -76,15 +76,20 @@ class Config:
         "Master switch, 0 or 1. With 0 (or unset) the launcher patches and registers nothing."))
     """Master switch. Off means off: nothing is patched or registered (invariant 3)."""
 
-    partition_bytes: int = field(default=32 << 20, metadata=_env(
+    partition_bytes: int = field(default=0, metadata=_env(
         "COMMSCHED_PARTITION_BYTES",
         "Chunk size a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); a "
-        "remainder under 1/8 of it rides with the last chunk; 0 or inf disables "
-        "partitioning. The data-parallel mode cuts its layer groups' all-reduces only under "
-        "a credit window set in bytes (or autotune); rs_ag never cuts its reduce-scatters and "
-        "all-gathers."))
+        "remainder under 1/8 of it rides with the last chunk; 0 or inf (the default): "
+        "whole requests. The data-parallel mode cuts its layer groups' all-reduces only "
+        "under a credit window set in bytes (or autotune); rs_ag never cuts its "
+        "reduce-scatters and all-gathers."))
     """Chunk size a request is partitioned into (a remainder under 1/8 of it is folded into
-    the last chunk, see partition.py); 0 means no partitioning."""
+    the last chunk, see partition.py); 0 means no partitioning.
+
+    Whole requests by default: every chunk is one more collective to issue, and a cut
+    changes no order unless a credit window holds chunks back for a more urgent request to
+    overtake. Partition only together with a credit window, on a link slow enough that
+    the overtaking pays (see README, "When partitioning and a credit window pay")."""
 
     credit_bytes: int = field(default=0, metadata=_env(
         "COMMSCHED_CREDIT_BYTES",
@@ -173,20 +178,16 @@ class Config:
 
     dispatch: str = field(default="auto", metadata=_env(
         "COMMSCHED_DISPATCH",
-        "Which thread issues the collectives: thread (a dispatch thread per process group; "
-        "submit() only records readiness and queues the request), inline (the thread "
-        "that submits, e.g. autograd's in backward), auto (thread for the DDP hook and the "
-        "data-parallel mode on CUDA, inline otherwise). thread is not allowed with "
-        "autotune."))
-    """``thread``: each lane has a dispatch thread, so the caller of ``submit()`` (the
-    autograd thread during backward) pays ~5 us per request instead of the whole dispatch
-    (~170 us on NCCL: Python bookkeeping plus the collective call), which then runs
-    alongside backward's own kernel launches. ``inline``: dispatch in the caller. ``auto``:
-    thread for the adapters that issue nothing else on the group while an iteration is
-    submitted (the DDP hook, the data-parallel mode) on CUDA, without ``autotune``; inline
-    otherwise (Megatron issues collectives of its own on the data-parallel group during
-    forward). ``thread`` is rejected with ``autotune``, which decides at submission with
-    state the dispatch thread would change later."""
+        "Which thread issues the collectives: inline (the thread that submits, e.g. "
+        "autograd's in backward; auto is the same), or thread (a dispatch thread per "
+        "process group: submit() records readiness and queues the request). thread is not "
+        "allowed with autotune."))
+    """``inline`` (and ``auto``, the default): the thread that submits issues what the order
+    allows, on its own stream: the request it submits, in the common case, as a plain
+    collective would be issued. ``thread``: a dispatch thread per lane issues instead, at a
+    GIL hand-off per request, competing with autograd for the GIL; not with ``autotune``,
+    which decides at submission with state the dispatch thread would change later, nor
+    with Megatron, which issues collectives of its own on the data-parallel group."""
 
     local_size: int = field(default=0, metadata=_env(
         "COMMSCHED_LOCAL_SIZE",

@@ -30,32 +30,40 @@ a request while requests of that iteration are still to come on the same lane; i
 iteration first (``end_iteration``), or uses another process group (lane) for the requests
 it waits on mid-iteration (the data-parallel mode does this for its all-gathers).
 
-Invariant 2 (completion means device completion): credit is returned and request futures
-are resolved by a completion thread per lane that blocks (GIL released) in
-``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded after the collective
-on a watch stream (NCCL), never when the collective was merely enqueued.
+The hot path. The thread that submits (autograd's in backward, the training thread for
+Megatron) issues what the order and the credit allow, itself, under the lane's lock: in the
+common case, the request it submits, at once, from its current stream, which orders the
+tensor's producers before the collective, exactly as a plain ``dist.all_reduce`` would.
+Nothing else happens per request on that path: no other thread, no stream switch, no CUDA
+event, no CUDA future (the request's future is a CPU future set at issue on CUDA; a gloo
+request of one collective follows that collective's own future). A request the order or the
+credit window holds back records a ready event in the submitter's stream and is issued
+later, from the launch stream after that event, by the next submission, the end of the
+iteration, or the completion thread when credit comes back.
+
+Invariant 2 (completion means device completion): credit is returned, and gloo futures
+are resolved, by a completion thread per lane that blocks (GIL released) in ``work.wait()``
+(gloo) or ``Event.synchronize()`` on an event recorded on the done stream after the
+collectives (CUDA), never when a collective was merely enqueued. Consumers order themselves
+after the collectives on the device: ``Request.wait()`` or ``Scheduler.join()`` make the
+current stream wait for them.
 
 Completion hand-off. Waking the completion thread costs a GIL hand-off each way, more than
-issuing the collective itself, so it is woken only for what somebody waits on: a chunk whose
-credit, gloo future or gloo next step is needed, or whose padded copy should be freed
-("urgent"), the end of a dispatched iteration, ``drain()``, or ``LAZY_ITEMS`` unfinished
-chunks. On NCCL, with an unbounded
-credit window, nothing is urgent (futures carry CUDA stream semantics and resolve at
-dispatch): an iteration's chunks are then completed in one batch, by one wait on the
-newest (the watch stream completes them in issue order); their device times come from
-timing events mapped onto the host clock, not from when the thread got to them.
+issuing a collective, so it is woken only for what somebody waits on: a step whose credit,
+gloo future or gloo next step is needed, or whose padded copy should be freed ("urgent"),
+the end of a dispatched iteration, ``drain()``, or ``LAZY_ITEMS`` unfinished steps. On CUDA
+with an unbounded credit window nothing is urgent: an iteration's steps are completed in one
+batch, by one wait on an event recorded after the newest step of each group (NCCL runs a
+group's collectives in issue order). With telemetry (or the tuner) on, each step gets
+timing events, mapped onto the host clock when the batch completes.
 
-Dispatch thread (``Config.dispatch``). Dispatching a request costs ~170 us of host time on
-NCCL (bookkeeping, stream switches, events, the collective call), paid inline by whoever
-submits: during backward, the autograd thread, whose kernel launches are the critical path
-of a host-bound model. A lane with a dispatch thread takes that off the caller: ``submit``
-validates, scales, records the ready event and the future, and queues the request;
-``end_iteration`` queues the iteration's end and returns once the dispatch thread took it
-in, so every iteration reaches the lane in the caller's order relative to the caller's own
-calls, as inline. Within an iteration the collectives are issued later than inline, from
-another thread: safe only where the caller issues no collective of its own on the group
-meanwhile, which is why ``auto`` gives the thread only to adapters that say so
-(``owns_groups``).
+Dispatch thread (``Config.dispatch="thread"``, off by default): ``submit`` records the ready
+event and queues the request, and a thread per lane issues it. It costs a GIL hand-off per
+request and issues later than inline; it is kept for callers whose own thread must not pay
+for issuing. ``end_iteration`` queues the iteration's end and returns once the dispatch
+thread took it in, so every iteration reaches the lane in the caller's order relative to
+the caller's own calls. Safe only where the caller issues no collective of its own on the
+group meanwhile.
 """
 
 from __future__ import annotations
@@ -98,32 +106,91 @@ class SchedulerError(RuntimeError):
 
 
 class Request:
-    """A flat tensor handed to the scheduler; ``future`` resolves to the tensor once every
-    chunk finished on the device (on CUDA: once every chunk was issued, with CUDA stream
-    semantics). ``issue_seq`` numbers the lane's requests in the order their last
-    collective was issued (None until then); NCCL runs a lane's collectives in that order."""
+    """A flat tensor handed to the scheduler.
+
+    ``future`` resolves to the tensor: on CPU once every chunk finished, on CUDA once every
+    chunk was issued (a plain CPU future: it carries no stream). ``wait()`` is what orders
+    the caller after the collectives: on CUDA the current stream waits for them on the
+    device, the host does not. ``issue_seq`` numbers the lane's requests in the order their
+    last collective was issued (None until then); NCCL runs a lane's collectives in that
+    order."""
 
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
         "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
-        "ready_event", "lane", "reduce_options", "chunks_issued", "done_event",
-        "cross_group", "issue_seq",
+        "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
+        "cross_group", "issue_seq", "waited",
     )
 
+    def __init__(self, key: Hashable, tensor: torch.Tensor, op: str, lane: "_Lane",
+                 priority: int, reduce_op, decompose: str, steps, cross_group: bool):
+        self.key = key
+        self.tensor = tensor
+        self.op = op
+        self.lane = lane
+        self.group = lane.group
+        self.world_size = lane.world_size
+        self.rank = lane.rank
+        self.priority = priority
+        self.reduce_op = reduce_op
+        self.reduce_options = lane.reduce_options(reduce_op)
+        self.decompose = decompose
+        self.steps = steps
+        self.cross_group = cross_group
+        self.future = torch.futures.Future()
+        self.chunks: List[Chunk] = []
+        self.remaining = 0
+        self.chunks_issued = 0
+        self.iteration = -1
+        self.t_submit_ns = time.time_ns()
+        # Set only where the request was not issued by the thread that submitted it, at
+        # once: the point in the submitter's stream where the tensor was ready.
+        self.ready_event = None
+        # What the request ends with: its last collective (NCCL runs a group's collectives
+        # in issue order), or, for a padded chunk copied back, an event after that copy.
+        self.done_work = None
+        self.done_event = None
+        self.issue_seq = None
+        self.waited = False           # CPU: somebody waits for the future (see _urgent)
+
     def wait(self) -> torch.Tensor:
-        """Block until the request finished on the device; returns its tensor."""
-        return self.future.wait()
+        """The tensor, once it may be read: on CPU when every chunk finished; on CUDA the
+        current stream waits for the collectives on the device (the host does not)."""
+        if not self.future.done():
+            self.lane.awaited(self)
+        tensor = self.future.wait()
+        if self.done_event is not None:
+            torch.cuda.current_stream(tensor.device).wait_event(self.done_event)
+        elif self.done_work is not None:
+            self.done_work.wait()
+        return tensor
 
     def finished(self) -> bool:
         """Whether every chunk finished on the device, not only was issued; never blocks."""
         if not self.future.done():
             return False
-        event = self.done_event
-        return event is None or event.query()
+        if self.done_event is not None:
+            return self.done_event.query()
+        return self.done_work is None or self.done_work.is_completed()
 
     def __repr__(self) -> str:
         return (f"Request({self.key!r}, op={self.op}, numel={self.tensor.numel()}, "
                 f"chunks={len(self.chunks)}, priority={self.priority})")
+
+
+class _InFlight:
+    """One issued collective step, until the completion thread completed it."""
+
+    __slots__ = ("chunk", "step", "work", "start", "end", "error", "keep_end")
+
+    def __init__(self, chunk: Chunk, step: int, work, start, end, keep_end: bool = False):
+        self.chunk = chunk
+        self.step = step
+        self.work = work
+        self.start = start            # timed CUDA event before it (telemetry, tuner)
+        self.end = end                # CUDA event after it on the done stream, or None
+        self.error: Optional[BaseException] = None
+        self.keep_end = keep_end      # ``end`` is a request's done_event: not pooled
 
 
 class _Iteration:
@@ -217,11 +284,13 @@ class _Lane:
         self.bytes_dispatched = 0
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
-        # Issued, not yet completed, in issue order: [chunk, step, work, start event,
-        # end event, error]. in_flight[0] has sequence number head_seq; every item up to
-        # sequence number must_complete is waited for as soon as possible (see the module
-        # docstring, "Completion hand-off").
-        self.in_flight: "collections.deque[list]" = collections.deque()
+        # Issued, not yet completed, in issue order. in_flight[0] has sequence number
+        # head_seq; every item up to sequence number must_complete is waited for as soon as
+        # possible (see the module docstring, "Completion hand-off").
+        self.in_flight: "collections.deque[_InFlight]" = collections.deque()
+        # CUDA: the newest step issued on each process group (None: the lane's own), and
+        # the newest padded chunk's copy back ("copy"): what join() and _seal() wait for.
+        self.newest: Dict[object, object] = {}
         self.head_seq = 0
         self.must_complete = -1
         self.wake = threading.Condition(self.lock)
@@ -250,7 +319,6 @@ class _Lane:
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
-            self.future_stream = torch.cuda.Stream(device)
             self.clock_stream = torch.cuda.Stream(device)     # idle: maps events to host time
             # (not blocking: it completes at once, and a sleeping wait would add its wake-up
             # latency to every mapped time)
@@ -281,7 +349,11 @@ class _Lane:
 
     # ---- submission (training thread) ----------------------------------------------------
     def add(self, req: Request) -> None:
+        """Take ``req`` in and issue what the order and the credit allow, from the caller's
+        thread. The common case, ``req`` next in the order with credit to spare, is issued
+        here, on the caller's stream, which orders the tensor's producers before it."""
         if self.inbox is not None:
+            self._mark_ready(req)
             self._post(req)
             return
         with self.lock:
@@ -289,8 +361,21 @@ class _Lane:
                 raise self.failure
             self._take_in(req)
             self._pump()
+            if req.chunks[-1].t_dispatch_ns == 0:
+                # Held back (order or credit): whoever issues it later, from whatever
+                # thread and stream, waits for this point of the caller's stream.
+                self._mark_ready(req)
             settled = self._collect()
         self._settle(settled)
+
+    def _mark_ready(self, req: Request) -> None:
+        """Record where ``req``'s tensor is ready in the caller's stream (CUDA)."""
+        if self.cuda:
+            try:
+                req.ready_event = self.ready_events.pop()
+            except IndexError:
+                req.ready_event = torch.cuda.Event()
+            req.ready_event.record()
 
     def _take_in(self, req: Request) -> None:
         """Add ``req`` to the open iteration (lock held)."""
@@ -636,18 +721,10 @@ class _Lane:
 
     def _resolve(self, requests: List[Request]) -> None:
         """Resolve fully issued CUDA requests (outside the lock: a future's callbacks may
-        submit). The future records its completion on the future stream after it waited
-        for the request's last collective, so a waiter's stream waits for the device."""
-        if not requests:
-            return
-        caller = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self.future_stream)
-        try:
-            for req in requests:
-                self.future_stream.wait_event(req.done_event)
-                req.future.set_result(req.tensor)
-        finally:
-            torch.cuda.set_stream(caller)
+        submit). The futures carry no stream: ``Request.wait()`` and ``join()`` order the
+        caller's stream after the collectives."""
+        for req in requests:
+            req.future.set_result(req.tensor)
 
     def _take_failed_requests(self) -> List[Request]:
         failed = [r for r in self.outstanding.values() if not r.future.done()]
@@ -673,7 +750,7 @@ class _Lane:
                 item = self.waiting_item
                 if item is None or time.monotonic() - self.waiting_since <= self.timeout_s:
                     continue
-                chunk, step = item[0], item[1]
+                chunk, step = item.chunk, item.step
                 req = chunk.request
                 what = (f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of "
                         f"request {req.key!r} ({chunk.nbytes} bytes, iteration {req.iteration})")
@@ -709,9 +786,46 @@ class _Lane:
                 req.issue_seq = self.requests_issued
                 self.requests_issued += 1
         if self.cuda:
-            # Issue from the launch stream, which waits only for the request's ready event:
-            # issued from the caller's stream, the collective would also wait for whatever
-            # compute was queued there since the gradients were ready.
+            start, end, work = self._issue_cuda(chunk, step, last)
+            if last and req.chunks_issued == len(req.chunks):
+                req.done_work = work
+                self.dispatched.append(req)
+                if req.ready_event is not None:    # every step 0 was issued: free again
+                    self.ready_events.append(req.ready_event)
+                    req.ready_event = None
+            # The newest step per process group (a topology step names its sub-group):
+            # NCCL runs each group's collectives in issue order, so waiting for it waits
+            # for every step issued before it on that group.
+            self.newest[req.steps[step] if req.cross_group else None] = work
+            self.in_flight.append(_InFlight(chunk, step, work, start, end,
+                                            end is not None and end is req.done_event))
+        else:
+            work = chunk.works = issue_step(chunk, step)
+            self.in_flight.append(_InFlight(chunk, step, work, None, None))
+        if nvtx:
+            nvtx_range_pop()
+        if self._urgent(chunk, last) or len(self.in_flight) >= LAZY_ITEMS:
+            self._ring()
+
+    def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
+        """Issue one step on CUDA; returns (start event, end event, work).
+
+        A request issued when it was submitted goes from the caller's stream, as a plain
+        collective would: no stream switch, no event. One that was held back waits on the
+        launch stream for its ready event: issued from the caller's stream it would also
+        wait for whatever compute was queued there since. Events after a step (on the done
+        stream) exist only where somebody needs them: telemetry or the tuner (timings), a
+        credit window (the completion thread returns credit at the step's end), a padded
+        chunk (copied back after its last step)."""
+        req = chunk.request
+        timed = self.observer is not None or self.collecting
+        start = None
+        if req.ready_event is None and not (step and req.cross_group):
+            if timed:
+                start = self._event()
+                start.record()
+            work = issue_step(chunk, step)
+        else:
             caller = torch.cuda.current_stream(self.device)
             torch.cuda.set_stream(self.launch_stream)
             try:
@@ -720,38 +834,32 @@ class _Lane:
                 elif req.cross_group:
                     # The previous step ran on another group's stream: order on the device.
                     chunk.works.wait()
-                start = self._event() if self.observer is not None or self.collecting else None
-                if start is not None:
+                if timed:
+                    start = self._event()
                     start.record(self.launch_stream)
-                work = chunk.works = issue_step(chunk, step)
-                # The done stream follows the collectives: a padded chunk is copied back
-                # there, the completion thread synchronises on an event recorded there, and
-                # the request's future carries it (CUDA stream semantics, as NCCL's own
-                # futures: the CPU need not wait for the device to go on).
-                torch.cuda.set_stream(self.done_stream)
-                work.wait()
-                if last:
-                    finish_chunk(chunk)
-                end = self._event()
-                end.record(self.done_stream)
-                if last and req.chunks_issued == len(req.chunks):
-                    # The request ends where its last step does. The pool may hand this
-                    # event out again once the step completed: recorded again later on
-                    # the same stream, a query can only answer "not yet" for longer.
-                    req.done_event = end
-                    self.dispatched.append(req)
-                    # Every step 0 of the request was issued: its ready event is free.
-                    self.ready_events.append(req.ready_event)
-                    req.ready_event = None
+                work = issue_step(chunk, step)
             finally:
                 torch.cuda.set_stream(caller)
-            self.in_flight.append([chunk, step, work, start, end, None])
-        else:
-            self.in_flight.append([chunk, step, issue_step(chunk, step), None, None, None])
-        if nvtx:
-            nvtx_range_pop()
-        if self._urgent(chunk, last) or len(self.in_flight) >= LAZY_ITEMS:
-            self._ring()
+        chunk.works = work
+        padded = last and chunk.staging is not None
+        if not (timed or self.credit_bytes or padded):
+            return start, None, work
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.done_stream)
+        try:
+            work.wait()
+            if padded:
+                finish_chunk(chunk)
+            end = self._event() if not padded else torch.cuda.Event(
+                enable_timing=self.timed, blocking=True)
+            end.record(self.done_stream)
+        finally:
+            torch.cuda.set_stream(caller)
+        if padded:
+            self.newest["copy"] = end
+            if req.chunks_issued == len(req.chunks):
+                req.done_event = end      # the copy back is what a waiter needs
+        return start, end, work
 
     def _urgent(self, chunk: Chunk, last: bool) -> bool:
         """Whether somebody waits for this step's completion (see "Completion hand-off")."""
@@ -762,17 +870,33 @@ class _Lane:
         req = chunk.request
         if self.cuda:
             return False                  # futures resolve at dispatch, steps are stream-ordered
-        # gloo: the request's future, the chunk's next step, and the recorded device times
-        # (no events to recover them from later) need the completion when it happens.
-        return (not last or req.chunks_issued == len(req.chunks)
-                or self.observer is not None or self.collecting)
+        # CPU: the chunk's next step, the recorded device times (no events to recover them
+        # from later), and a future somebody waits for need the completion when it
+        # happens. Other futures resolve with the iteration's batch (woken at its end):
+        # a wake-up per request would cost a GIL hand-off each.
+        return (not last or req.waited or self.observer is not None or self.collecting)
 
     def _ring(self) -> None:
         """Have the completion thread complete everything issued so far (lock held)."""
         newest = self.head_seq + len(self.in_flight) - 1
         if newest > self.must_complete:
+            if self.cuda and self.in_flight[-1].end is None:
+                self._seal(self.in_flight[-1])
             self.must_complete = newest
             self.wake.notify()
+
+    def _seal(self, item: _InFlight) -> None:
+        """Give ``item`` an end event after every step issued so far (on each group's
+        stream): what the completion thread waits for, once for a whole batch."""
+        caller = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(self.done_stream)
+        try:
+            for work in self.newest.values():
+                work.wait()
+            item.end = self._event()
+            item.end.record(self.done_stream)
+        finally:
+            torch.cuda.set_stream(caller)
 
     def _event(self):
         """A CUDA event from the lane's pool (timed when telemetry needs durations)."""
@@ -804,20 +928,20 @@ class _Lane:
             self._complete(item)
             item = None       # not held while idle: a work may hold buffers (see _complete)
 
-    def _wait(self, item: list) -> None:
+    def _wait(self, item: _InFlight) -> None:
         """Block (GIL released) until the item's collective finished on the device: on
-        NCCL the event recorded on the done stream after it, on gloo ``work.wait()``."""
+        CUDA the event recorded on the done stream after it, on gloo ``work.wait()``."""
         try:
-            if item[4] is not None:
-                item[4].synchronize()
+            if item.end is not None:
+                item.end.synchronize()
             else:
-                item[2].wait()
+                item.work.wait()
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
-            item[5] = exc
+            item.error = exc
 
-    def _take_finished(self, waited: list) -> list:
+    def _take_finished(self, waited: _InFlight) -> List[_InFlight]:
         """Pop, in issue order, the items up to ``waited`` (finished: the thread waited for
-        it, and on NCCL what precedes it finished first) and any finished after it; lock
+        it, and on CUDA what precedes it finished first) and any finished after it; lock
         held. Everything that finished is completed under one lock acquisition: fewer
         hand-offs of the GIL between this thread and the training thread."""
         batch = []
@@ -825,32 +949,32 @@ class _Lane:
         seen = False
         while in_flight:
             item = in_flight[0]
-            if seen and not (item[4].query() if item[4] is not None
-                             else item[2].is_completed()):
+            if seen and not (item.end.query() if item.end is not None
+                             else item.work.is_completed()):
                 break
             in_flight.popleft()
             self.head_seq += 1
             if item is waited:
                 seen = True
-            else:
+            elif not self.cuda:
                 self._wait(item)          # returns at once; surfaces a failure
             batch.append(item)
         return batch
 
-    def _end_times(self, batch: list, t_seen: int) -> List[int]:
+    def _end_times(self, batch: List[_InFlight], t_seen: int) -> List[int]:
         """Host-clock time at which each item finished on the device. With CUDA timing
         events: its end event mapped onto the host clock through an event recorded now on
         an idle stream (the thread may get to an item long after it finished); otherwise
         when the thread saw it finish."""
-        if not (self.cuda and self.timed):
+        if not (self.cuda and self.timed) or any(item.end is None for item in batch):
             return [t_seen] * len(batch)
         try:
-            return host_times_ns([item[4] for item in batch], self.clock_stream,
+            return host_times_ns([item.end for item in batch], self.clock_stream,
                                  self.clock_event)
         except RuntimeError:              # an event that did not complete (a failure)
             return [t_seen] * len(batch)
 
-    def _complete(self, waited: list) -> None:
+    def _complete(self, waited: _InFlight) -> None:
         t_seen = time.time_ns()
         records = []
         finished = []
@@ -860,7 +984,11 @@ class _Lane:
             self.completion_batches += 1
             batch = self._take_finished(waited)
             t_ends = self._end_times(batch, t_seen)
-            for (chunk, step, _, start, end, error), t_end in zip(batch, t_ends):
+            if not self.in_flight:
+                self.newest.clear()       # (a work may hold buffers, see below)
+            for item, t_end in zip(batch, t_ends):
+                chunk, step, start, end, error = (item.chunk, item.step, item.start,
+                                                  item.end, item.error)
                 req = chunk.request
                 chunk.steps_done = step + 1
                 last = step == len(req.steps) - 1
@@ -896,8 +1024,8 @@ class _Lane:
                     records.append((chunk, step, start, error, t_start, t_end))
             if self.failure is None:
                 self._pump()
+            self.idle.notify_all()            # (join() waits for completions)
             if self.failure is not None:
-                self.idle.notify_all()
                 failed = self._take_failed_requests()
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
@@ -916,8 +1044,8 @@ class _Lane:
             if start is not None:
                 self.events.append(start)
         for item in batch:
-            if item[4] is not None:
-                self.events.append(item[4])
+            if item.end is not None and not item.keep_end:
+                self.events.append(item.end)
         for req, chunk, step, error in finished:
             _settle_future(req.future, req.tensor, error)
         self._fail_futures(failed)
@@ -933,6 +1061,31 @@ class _Lane:
             str(req.tensor.dtype).replace("torch.", ""), ranks, req.priority,
             req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
             "" if error is None else repr(error))
+
+    def awaited(self, req: Request) -> None:
+        """Somebody blocks on ``req``'s future (CPU): complete it as soon as it is issued."""
+        with self.lock:
+            req.waited = True
+            if req.chunks_issued == len(req.chunks):
+                self._ring()
+
+    def join(self) -> None:
+        """The caller waits for every collective issued on the lane so far: on CUDA its
+        current stream does, on the device (the host does not); on CPU the host does,
+        until the completion thread completed them (their futures resolved)."""
+        with self.lock:
+            if self.cuda:
+                waits = list(self.newest.values())
+            else:
+                target = self.head_seq + len(self.in_flight)
+                self._ring()
+                while self.head_seq < target and self.failure is None:
+                    self.idle.wait()
+                if self.failure is not None:
+                    raise self.failure
+                return
+        for work in waits:
+            work.wait()
 
     def drain(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -1118,33 +1271,16 @@ class Scheduler:
                 and reduce_op == dist.ReduceOp.SUM
                 and (topology is None or decompose == "none")):
             reduce_op, average = dist.ReduceOp.AVG, False
-        req = Request()
-        req.key, req.tensor, req.op, req.group = key, tensor, op, group
-        req.world_size, req.rank, req.priority = lane.world_size, lane.rank, priority
-        req.reduce_op, req.decompose = reduce_op, decompose
-        req.reduce_options = lane.reduce_options(reduce_op)
-        req.steps = steps_for(op, decompose, topology)
-        req.cross_group = topology is not None and decompose != "none"
-        req.lane = lane
-        req.t_submit_ns = time.time_ns()
+        req = Request(key, tensor, op, lane, priority, reduce_op, decompose,
+                      steps_for(op, decompose, topology),
+                      topology is not None and decompose != "none")
         if average:
             tensor.div_(lane.world_size)
         if scale is not None:
             tensor.mul_(scale)
-        req.ready_event = req.done_event = req.issue_seq = None
-        if lane.cuda:
-            try:
-                req.ready_event = lane.ready_events.pop()
-            except IndexError:
-                req.ready_event = torch.cuda.Event()
-            req.ready_event.record()
-            req.future = torch.futures.Future(devices=[tensor.device])
-        else:
-            req.future = torch.futures.Future()
         req.chunks = partition(req, partition_bytes,
                                parts_for(op, decompose, lane.world_size, topology))
         req.remaining = len(req.chunks)
-        req.chunks_issued = 0
         lane.add(req)
         return req
 
@@ -1190,6 +1326,15 @@ class Scheduler:
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         return None if lane is None else lane.end_iteration(wait_dispatched,
                                                             wait_taken=not private)
+
+    def join(self, group=None) -> None:
+        """Order the caller after every collective issued on ``group`` so far: on CUDA the
+        current stream waits for them on the device (the host goes on); on CPU this blocks
+        until they completed. What the DDP hook runs at the end of backward, where DDP
+        reads the reduced buckets."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if lane is not None:
+            lane.join()
 
     def drain(self, timeout: Optional[float] = None) -> None:
         """End every lane's iteration and block until all its collectives completed."""
@@ -1240,9 +1385,7 @@ class Scheduler:
             lane.close()
 
     def _threaded(self, config: Config, device: torch.device) -> bool:
-        """Whether a lane gets a dispatch thread (Config.dispatch)."""
-        if config.dispatch == "auto":
-            return device.type == "cuda" and self.owns_groups and not config.autotune
+        """Whether a lane gets a dispatch thread (Config.dispatch): only where asked for."""
         return config.dispatch == "thread"
 
     def _lane(self, group, device: torch.device, first: tuple) -> _Lane:

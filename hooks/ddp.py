@@ -1,12 +1,17 @@
 """The commsched DDP communication hook.
 
 DDP calls the hook once per gradient bucket, strictly in bucket-index order on every rank,
-and waits for every returned future at the end of backward. The hook submits the bucket's
-flat buffer to the scheduler (key = bucket index, priority = the position in forward order
-of the bucket's earliest parameter) and returns the request's future, which resolves once
-all the bucket's chunks have completed on the device. The last bucket ends the scheduler
+and reads every returned future's tensor at the end of backward. The hook submits the
+bucket's flat buffer to the scheduler (key = bucket index, priority = the position in forward
+order of the bucket's earliest parameter), which issues it from autograd's thread and stream
+when the order allows, and returns the request's future. The last bucket ends the scheduler
 iteration, so what the plan still holds back may go; the hook returns from it once every
 chunk was issued.
+
+On CUDA the futures resolve once issued and carry no stream; the first bucket of a backward
+queues an autograd callback that runs at the end of backward, before DDP reads the buckets,
+and makes the stream there wait for every collective issued (``Scheduler.join``): the one
+wait per iteration for the device. On CPU the futures resolve when the collectives finished.
 
 Averaging is DDP's: the bucket is divided by the group size, then summed.
 """
@@ -32,7 +37,8 @@ class CommschedState:
         ddp_model.register_comm_hook(state, commsched_hook)
     """
 
-    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder")
+    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder",
+                 "join_queued")
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
@@ -50,6 +56,12 @@ class CommschedState:
         self.param_position: Dict[int, int] = {
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
+        self.join_queued = False
+
+    def join(self) -> None:
+        """End of backward (an autograd callback): DDP's stream waits for the collectives."""
+        self.join_queued = False
+        self.scheduler.join(self.group)
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
@@ -78,6 +90,9 @@ def commsched_hook(state: CommschedState,
         ddp_model.register_comm_hook(state, commsched.hooks.commsched_hook)
     """
     scheduler = state.scheduler
+    if not state.join_queued:
+        state.join_queued = True
+        _queue_callback(state.join)
     request = scheduler.submit(bucket.buffer(), key=bucket.index(),
                                priority=state.priority(bucket), group=state.group,
                                average=True)
@@ -87,6 +102,12 @@ def commsched_hook(state: CommschedState,
         # issued before, or the ranks' collective sequences could interleave differently.
         scheduler.end_iteration(state.group, wait_dispatched=True)
     return request.future
+
+
+def _queue_callback(callback) -> None:
+    """Run ``callback`` when the current backward ends (DDP queues its own end-of-backward
+    work the same way, later: callbacks run in the order they were queued)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,

@@ -145,6 +145,55 @@ def gpt_workload(quick: bool) -> Workload:
                     lambda: models.GPT(config), make_batch, loss, "adamw")
 
 
+class LibraryLM(nn.Module):
+    """A causal language model of Hugging Face ``transformers`` returning its logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def gpt2_library_workload(quick: bool) -> Workload:
+    """GPT-2 medium from ``transformers`` (GPT2LMHeadModel: 24x1024, 16 heads, seq 1024,
+    vocab 50257, ~355M), random initialisation from its config, micro-batch 8
+    (``BENCH_LM_MICRO_BATCH``): a GPU-bound step of real library code. Where
+    ``transformers`` is missing every mode is n/a."""
+    if quick:
+        shape = dict(n_layer=2, n_embd=128, n_head=4, n_positions=64, vocab_size=4096)
+        micro_batch = 2
+    else:
+        shape = dict(n_layer=24, n_embd=1024, n_head=16, n_positions=1024, vocab_size=50257)
+        micro_batch = _env_int("BENCH_LM_MICRO_BATCH", 8)
+    seq = shape["n_positions"]
+
+    def build() -> nn.Module:
+        try:
+            import transformers
+        except ImportError as exc:
+            raise ModeUnavailable(f"transformers is not installed ({exc})") from None
+        config = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0)
+        return LibraryLM(transformers.GPT2LMHeadModel(config))
+
+    def make_batch(device, generator):
+        size = (micro_batch, seq)
+        tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
+        targets = torch.randint(0, shape["vocab_size"], size, device=device,
+                                generator=generator)
+        return tokens, targets
+
+    def loss(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Workload("gpt2_lib", "tokens", micro_batch * seq,
+                    {**shape, "library": "transformers GPT2LMHeadModel",
+                     "micro_batch": micro_batch, "seq": seq},
+                    build, make_batch, loss, "adamw")
+
+
 def _image_workload(name: str, build: Callable[[], nn.Module], batch: int, resolution: int,
                     classes: int, shape: Dict[str, Any]) -> Workload:
     def make_batch(device, generator):
@@ -175,7 +224,8 @@ def resnet50_workload(quick: bool) -> Workload:
 
 
 WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
-    "gpt": gpt_workload, "vgg16": vgg16_workload, "resnet50": resnet50_workload}
+    "gpt": gpt_workload, "gpt2_lib": gpt2_library_workload, "vgg16": vgg16_workload,
+    "resnet50": resnet50_workload}
 
 
 # ---------------------------------------------------------------------------------------
@@ -1088,8 +1138,11 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                           spec.iters, spec.telemetry_root, spec.regime)
             if bench.cuda:
                 torch.backends.cudnn.benchmark = workload.unit == "images"
-            with torch.device("meta"):
-                params = models.count_parameters(workload.build())
+            try:
+                with torch.device("meta"):
+                    params = models.count_parameters(workload.build())
+            except ModeUnavailable:
+                params = 0                # (every mode reports why)
             run = {"regime": spec.regime, "model": model_name, "workload": workload.shape,
                    "params": params, "unit": workload.unit,
                    "items_per_step": workload.items_per_rank * spec.world_size,

@@ -19,6 +19,11 @@
     median round is reported.
 (b) DDP on a small MLP, plain vs with the commsched hook (partitioning off, unbounded
     credit, fifo; and default Config): median ms/iteration and ratio to plain DDP.
+(c) The DDP hook's cost per bucket: rank 0 alone, on a gloo group of its own, trains a
+    stack of small layers with one DDP bucket per layer, under PyTorch's own Python
+    ``allreduce_hook`` and under the commsched hook (default Config), in interleaved
+    blocks; reported: what the commsched hook adds per bucket (median step time difference
+    over the number of buckets; the target is at most 15 us).
 
 Output: JSON (``--out``) and a markdown table printed last. Exit status 1 when a variant
 failed or a worker crashed/hung, else 0 (missing commsched APIs are "n/a", not failures).
@@ -50,6 +55,8 @@ WORLD_SIZE = 2
 SEED = 1234
 TARGET_ADDED_US = 20.0
 MLP_LAYERS, MLP_WIDTH, MLP_BATCH, MLP_BUCKET_CAP_MB = 8, 512, 32, 1
+HOOK_LAYERS, HOOK_WIDTH, HOOK_BATCH = 32, 64, 4
+TARGET_HOOK_ADDED_US = 15.0
 
 
 def scheduling_off(commsched):
@@ -70,6 +77,7 @@ class Settings:
     repeats: int
     mlp_warmup: int
     mlp_iters: int
+    hook_rounds: int
     port: int
     collective_timeout_s: float
     result_path: str
@@ -319,6 +327,72 @@ def ddp_mlp(settings: Settings) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------
+# (c) the DDP hook's cost per bucket
+# ---------------------------------------------------------------------------------------
+
+def layer_stack() -> nn.Module:
+    torch.manual_seed(SEED)
+    return nn.Sequential(*[nn.Linear(HOOK_WIDTH, HOOK_WIDTH) for _ in range(HOOK_LAYERS)])
+
+
+def hook_overhead(settings: Settings) -> Dict[str, Any]:
+    """Part (c); see the module docstring. Only rank 0 measures (the other rank would
+    compete for the two cores of a small machine); ``new_group`` is collective."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    own = dist.new_group([0])
+    rows = [{"name": name, "label": label, "status": "ok", "reason": None,
+             "us_per_step": None, "rounds_us_per_step": []}
+            for name, label in (("allreduce_hook", "PyTorch allreduce_hook (Python)"),
+                                ("commsched_hook", "commsched hook, default Config"))]
+    doc: Dict[str, Any] = {"layers": HOOK_LAYERS, "width": HOOK_WIDTH, "batch": HOOK_BATCH,
+                           "rounds": settings.hook_rounds, "rows": rows, "buckets": None,
+                           "added_us_per_bucket": None, "target_us": TARGET_HOOK_ADDED_US}
+    if dist.get_rank() == 0:
+        layer_bytes = (HOOK_WIDTH * HOOK_WIDTH + HOOK_WIDTH) * 4
+        models, states = [], []
+        for row in rows:
+            model = DDP(layer_stack(), process_group=own, bucket_cap_mb=layer_bytes / 2**20)
+            if row["name"] == "allreduce_hook":
+                model.register_comm_hook(own, default_hooks.allreduce_hook)
+            else:
+                hooks = benchlib.import_commsched_hooks()
+                states.append(hooks.register(model, config=default_config(
+                    benchlib.import_commsched())))
+            models.append(model)
+        inputs = torch.randn(HOOK_BATCH, HOOK_WIDTH)
+        steps_per_round = 20
+
+        def run(model, steps):
+            for _ in range(steps):
+                model(inputs).sum().backward()
+        try:
+            for model in models:          # iteration 0 rebuilds the buckets; then the plan
+                run(model, 10)
+            # (the commsched hook submits one request per bucket)
+            doc["buckets"] = states[0].scheduler.last_iteration(own).requests
+            for _ in range(settings.hook_rounds):
+                for row, model in zip(rows, models):
+                    start = time.perf_counter()
+                    run(model, steps_per_round)
+                    row["rounds_us_per_step"].append(
+                        (time.perf_counter() - start) / steps_per_round * 1e6)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            for row in rows:
+                row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        finally:
+            for state in states:
+                close_quietly(state)
+        if all(row["status"] == "ok" for row in rows):
+            for row in rows:
+                row["us_per_step"] = statistics.median(row["rounds_us_per_step"])
+            doc["added_us_per_bucket"] = (
+                (rows[1]["us_per_step"] - rows[0]["us_per_step"]) / doc["buckets"])
+    dist.barrier()
+    return doc
+
+
+# ---------------------------------------------------------------------------------------
 # Workers and parent
 # ---------------------------------------------------------------------------------------
 
@@ -335,6 +409,10 @@ def worker(rank: int, settings: Settings) -> None:
         doc["ddp_mlp"] = ddp_mlp(settings)
         if rank == 0:
             print("[microbench] (b) DDP MLP done", flush=True)
+            benchlib.write_json(Path(settings.result_path), doc)
+        doc["hook_overhead"] = hook_overhead(settings)
+        if rank == 0:
+            print("[microbench] (c) DDP hook per bucket done", flush=True)
             benchlib.write_json(Path(settings.result_path), doc)
     finally:
         dist.destroy_process_group()
@@ -368,6 +446,18 @@ def results_table(document: Dict[str, Any]) -> str:
                      f"{row['median_ms']:.2f} ms/iter" if ok else None,
                      f"{row['ratio_to_ddp']:.2f}x" if ok and row["ratio_to_ddp"] else None,
                      _row_note(row)])
+    hook_doc = document.get("hook_overhead") or {}
+    added = hook_doc.get("added_us_per_bucket")
+    for row in hook_doc.get("rows", []):
+        ok = row["status"] == "ok"
+        vs = note = None
+        if ok and row["name"] == "commsched_hook" and added is not None:
+            vs = f"{added:+.1f} us/bucket"
+            target = hook_doc.get("target_us", TARGET_HOOK_ADDED_US)
+            note = f"{'meets' if added <= target else 'ABOVE'} target <= {target:.0f} us added"
+        rows.append([f"DDP hook, 1 rank, {hook_doc.get('buckets')} buckets (one per layer)",
+                     row["label"], f"{row['us_per_step']:.0f} us/step" if ok else None, vs,
+                     note if ok else _row_note(row)])
     return benchlib.markdown_table(headers, rows)
 
 
@@ -382,12 +472,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="alternating rounds per variant in (a); median reported")
     parser.add_argument("--mlp-warmup", type=int, default=10)
     parser.add_argument("--mlp-iters", type=int, default=50)
+    parser.add_argument("--hook-rounds", type=int, default=30,
+                        help="interleaved rounds of 20 steps per hook in (c) (default 30)")
     parser.add_argument("--out", default="microbench_results.json")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds before hung workers are terminated (default 300)")
     parser.add_argument("--collective-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
-    for name in ("chunks", "chunks_per_iter", "numel", "repeats", "mlp_iters"):
+    for name in ("chunks", "chunks_per_iter", "numel", "repeats", "mlp_iters",
+                 "hook_rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -397,7 +490,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="commsched-microbench-") as tmp:
         settings = Settings(args.chunks, args.chunks_per_iter, args.numel, args.repeats,
-                            args.mlp_warmup, args.mlp_iters, benchlib.free_port(),
+                            args.mlp_warmup, args.mlp_iters, args.hook_rounds,
+                            benchlib.free_port(),
                             args.collective_timeout, str(Path(tmp) / "result.json"))
         print(f"[microbench] spawning {WORLD_SIZE} gloo workers", flush=True)
         outcome = benchlib.launch(worker, (settings,), WORLD_SIZE, args.timeout)
@@ -417,11 +511,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "wall_s": round(outcome.wall_s, 1),
         "submit_overhead": partial.get("submit_overhead"),
         "ddp_mlp": partial.get("ddp_mlp"),
+        "hook_overhead": partial.get("hook_overhead"),
     }
     benchlib.write_json(Path(args.out), document)
-    failed = [row["name"] for part in ("submit_overhead", "ddp_mlp")
+    failed = [row["name"] for part in ("submit_overhead", "ddp_mlp", "hook_overhead")
               for row in (document[part] or {}).get("rows", []) if row["status"] == "error"]
-    ok = outcome.ok and not failed and all(document[p] for p in ("submit_overhead", "ddp_mlp"))
+    ok = outcome.ok and not failed and all(
+        document[p] for p in ("submit_overhead", "ddp_mlp", "hook_overhead"))
     print(f"[microbench] wrote {args.out}"
           + ("" if outcome.ok else f"; launch failed: {outcome.error}")
           + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)

@@ -32,7 +32,7 @@ CONFIGS = [
     commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10, profile_iters=1),
     commsched.Config(partition_bytes=100_000, credit_bytes=0, decompose="rs_ag", policy="fifo"),
     commsched.Config(partition_bytes=0, credit_bytes=0),
-    # A dispatch thread issues the collectives (Config.dispatch; direct use is inline).
+    # A dispatch thread issues the collectives (Config.dispatch; inline by default).
     commsched.Config(partition_bytes=64 << 10, credit_bytes=0, profile_iters=1,
                      dispatch="thread"),
     commsched.Config(partition_bytes=100_000, credit_bytes=256 << 10, decompose="rs_ag",
@@ -252,7 +252,7 @@ def _wrap_vs_stock_ddp(rank, world, port):
     _init(rank, world, port)
     ref = _train(None, dict(bucket_cap_mb=1), rank)
     cases = [(commsched.Config(), None),                        # default group size
-             (commsched.Config(dispatch="inline"), None),       # (auto: a dispatch thread)
+             (commsched.Config(dispatch="thread"), None),       # a dispatch thread
              (commsched.Config(), 0),                           # a group per layer
              (commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10), 0),
              (commsched.Config(decompose="rs_ag"), 0)]          # ZeRO-1 shards
@@ -260,6 +260,57 @@ def _wrap_vs_stock_ddp(rank, world, port):
         got = _train_wrapped(config, group_bytes, rank)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (config, group_bytes, (a - b).abs().max().item())
+    dist.destroy_process_group()
+
+
+class _DelayGrad(torch.autograd.Function):
+    """Identity whose backward first keeps the stream busy (~5 ms): the gradients of the
+    layers before it are produced on the device long after autograd's thread ran their
+    hooks, which is when the commsched hook issues their collectives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(10_000_000)
+        return grad
+
+
+class SlowBackward(Net):
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(_DelayGrad.apply(x))
+        return x
+
+
+def _train_slow(config, rank, steps=4):
+    torch.manual_seed(0)
+    ddp = DDP(SlowBackward().cuda(), device_ids=[rank], bucket_cap_mb=1)
+    if config is not None:
+        commsched.hooks.register(ddp, config)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    _steps(ddp, opt, rank, steps)
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _delayed_producers_vs_stock_ddp(rank, world, port):
+    """The stream-order race the hot path must not have: the hook issues a bucket's
+    collective as soon as autograd's thread hands it over, while the device is still
+    behind, asleep before each layer's gradient kernels. A collective not ordered after
+    them (or a DDP that read the buckets before the collectives ended) would reduce or
+    apply stale values. Issued at submission (default), held back by a plan and a credit
+    window (the launch stream, after the ready event), and from a dispatch thread."""
+    _init(rank, world, port)
+    ref = _train_slow(None, rank)
+    for config in (commsched.Config(),
+                   commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10,
+                                    profile_iters=1),
+                   commsched.Config(dispatch="thread")):
+        got = _train_slow(config, rank)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (config, (a - b).abs().max().item())
     dist.destroy_process_group()
 
 
@@ -334,6 +385,10 @@ def test_telemetry_flush_is_where_the_device_ended_backward():
 
 def test_hook_equals_stock_ddp_nccl():
     _spawn(_hook_vs_stock_ddp)
+
+
+def test_hook_with_delayed_gradient_producers_equals_stock_ddp_nccl():
+    _spawn(_delayed_producers_vs_stock_ddp)
 
 
 def test_data_parallel_mode_equals_stock_ddp_nccl():
