@@ -95,6 +95,9 @@ from .threads import start_thread
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
+_SUM = dist.ReduceOp.SUM
+_AVG = dist.ReduceOp.AVG
+_ALL_REDUCE = steps_for("all_reduce", "none")
 
 # Unfinished chunks that may wait for their completion before the completion thread is
 # woken for them anyway (bounds the events and staging buffers they hold).
@@ -109,15 +112,16 @@ class Request:
     """A flat tensor handed to the scheduler.
 
     ``future`` resolves to the tensor: on CPU once every chunk finished, on CUDA once every
-    chunk was issued (a plain CPU future: it carries no stream). ``wait()`` is what orders
-    the caller after the collectives: on CUDA the current stream waits for them on the
-    device, the host does not. ``issue_seq`` numbers the lane's requests in the order their
-    last collective was issued (None until then); NCCL runs a lane's collectives in that
+    chunk was issued (a plain CPU future: it carries no stream); it is created when first
+    asked for, ``done()`` tells the same without one. ``wait()`` is what orders the caller
+    after the collectives: on CUDA the current stream waits for them on the device, the
+    host does not. ``issue_seq`` numbers the lane's requests in the order their last
+    collective was issued (None until then); NCCL runs a lane's collectives in that
     order."""
 
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
-        "decompose", "steps", "future", "chunks", "remaining", "iteration", "t_submit_ns",
+        "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration", "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
         "cross_group", "issue_seq", "waited",
     )
@@ -137,7 +141,10 @@ class Request:
         self.decompose = decompose
         self.steps = steps
         self.cross_group = cross_group
-        self.future = torch.futures.Future()
+        self._future = None
+        # None while pending, True once resolved, else the error it failed with; set
+        # under the lane's lock (the future may be created from another thread).
+        self.outcome = None
         self.chunks: List[Chunk] = []
         self.remaining = 0
         self.chunks_issued = 0
@@ -153,12 +160,33 @@ class Request:
         self.issue_seq = None
         self.waited = False           # CPU: somebody waits for the future (see _urgent)
 
+    @property
+    def future(self) -> torch.futures.Future:
+        future = self._future
+        if future is None:
+            with self.lane.lock:
+                future = self._future
+                if future is None:
+                    future = self._future = torch.futures.Future()
+                    if self.outcome is not None:
+                        _settle_outcome(self)
+        return future
+
+    def done(self) -> bool:
+        """Whether the future resolved (or would have): see the class docstring."""
+        return self.outcome is not None
+
     def wait(self) -> torch.Tensor:
         """The tensor, once it may be read: on CPU when every chunk finished; on CUDA the
         current stream waits for the collectives on the device (the host does not)."""
-        if not self.future.done():
+        outcome = self.outcome
+        if outcome is None:
             self.lane.awaited(self)
-        tensor = self.future.wait()
+            tensor = self.future.wait()
+        elif outcome is not True:
+            raise outcome
+        else:
+            tensor = self.tensor
         if self.done_event is not None:
             torch.cuda.current_stream(tensor.device).wait_event(self.done_event)
         elif self.done_work is not None:
@@ -167,7 +195,7 @@ class Request:
 
     def finished(self) -> bool:
         """Whether every chunk finished on the device, not only was issued; never blocks."""
-        if not self.future.done():
+        if self.outcome is not True:
             return False
         if self.done_event is not None:
             return self.done_event.query()
@@ -179,18 +207,35 @@ class Request:
 
 
 class _InFlight:
-    """One issued collective step, until the completion thread completed it."""
+    """One issued collective step, until the completion thread completed it; or, on CUDA,
+    a batch of consecutive steps of the lane's own group that nobody needs one by one
+    (``chunk`` None: no timings, no credit, no copy back), completed together."""
 
-    __slots__ = ("chunk", "step", "work", "start", "end", "error", "keep_end")
+    __slots__ = ("chunk", "step", "work", "start", "end", "error", "keep_end", "nbytes",
+                 "count", "t_first_ns", "iteration", "open")
 
-    def __init__(self, chunk: Chunk, step: int, work, start, end, keep_end: bool = False):
+    def __init__(self, chunk: Optional[Chunk], step: int, work, start, end,
+                 keep_end: bool = False):
         self.chunk = chunk
         self.step = step
-        self.work = work
+        self.work = work              # a batch's: its newest (NCCL runs them in order)
         self.start = start            # timed CUDA event before it (telemetry, tuner)
         self.end = end                # CUDA event after it on the done stream, or None
         self.error: Optional[BaseException] = None
         self.keep_end = keep_end      # ``end`` is a request's done_event: not pooled
+        self.nbytes = 0               # a batch's payload bytes (chunks counted once)
+        self.count = 0                # a batch's steps
+        self.t_first_ns = 0           # a batch's first dispatch
+        self.iteration = -1           # a batch's first step's iteration
+        self.open = False             # a batch that the next lean step may join
+
+    def describe(self) -> str:
+        if self.chunk is None:
+            return (f"{self.count} collectives ({self.nbytes} bytes) issued from iteration "
+                    f"{self.iteration} on")
+        req = self.chunk.request
+        return (f"{req.steps[self.step]} of chunk {self.chunk.index}/{len(req.chunks)} of "
+                f"request {req.key!r} ({self.chunk.nbytes} bytes, iteration {req.iteration})")
 
 
 class _Iteration:
@@ -245,9 +290,14 @@ class _Lane:
         self.observer = scheduler.observer
         self.on_chunks = getattr(self.observer, "on_chunks", None)     # optional, batched
         self.trace_dispatch = scheduler.trace_dispatch
+        self.verify = config.verify
+        self.nvtx = config.nvtx
         self.group = group
         self.name = name
         self.device = device
+        # What tensor.get_device() returns for the lane's tensors (-1: CPU).
+        self.device_index = (-1 if device.type != "cuda" else device.index
+                             if device.index is not None else torch.cuda.current_device())
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ranks = tuple(dist.get_process_group_ranks(group))
@@ -313,9 +363,18 @@ class _Lane:
         self.credit_bytes = self.config.credit_bytes
         self.collecting = False
         self.tuner: Optional[Tuner] = Tuner(self) if self.config.autotune else None
+        # No per-step work beyond issuing it: the hot path applies (_issue_at_once).
+        self.lean = not (self.trace_dispatch or self.verify or self.nvtx or self.tuner)
+        # Requests go whole, as one all-reduce each, unless a request asks otherwise.
+        self.whole = (self.lean and config.partition_bytes == 0
+                      and config.decompose == "none")
         # --- end autotune
         # CUDA events are timed when telemetry or the tuner needs device durations.
         self.timed = self.observer is not None or self.tuner is not None
+        # CUDA, untimed, unbounded credit: steps issued at once go into completion batches
+        # with no per-step work at all (_issue_direct).
+        self.batched = (self.cuda and self.lean and not self.timed
+                        and not self.config.credit_bytes)
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
@@ -359,14 +418,66 @@ class _Lane:
         with self.lock:
             if self.failure is not None:
                 raise self.failure
-            self._take_in(req)
-            self._pump()
-            if req.chunks[-1].t_dispatch_ns == 0:
-                # Held back (order or credit): whoever issues it later, from whatever
-                # thread and stream, waits for this point of the caller's stream.
-                self._mark_ready(req)
-            settled = self._collect()
-        self._settle(settled)
+            if self._issue_at_once(req):
+                dispatched = self._take_dispatched() if self.dispatched else None
+            else:
+                self._take_in(req)
+                self._pump()
+                if req.chunks[-1].t_dispatch_ns == 0:
+                    # Held back (order or credit): whoever issues it later, from whatever
+                    # thread and stream, waits for this point of the caller's stream.
+                    self._mark_ready(req)
+                settled = self._collect()
+                dispatched = False
+        if dispatched is False:
+            self._settle(settled)
+        elif dispatched:
+            self._resolve(dispatched)
+
+    def _issue_at_once(self, req: Request) -> bool:
+        """The hot path (lock held): ``req``, one chunk of one step, is what the order
+        issues next, with credit to spare and nothing else pending in the lane; take it in
+        and issue it, as ``_take_in`` and ``_pump`` would, without their search. False
+        (nothing done) where any of that does not hold."""
+        it = self.current
+        if (not self.lean or it is None or self.cur_chunk is not None
+                or len(req.chunks) != 1 or len(req.steps) != 1
+                or self.iterations[0] is not it or not it.resolved or req.key in it.by_key):
+            return False
+        chunk = req.chunks[0]
+        credit = self.credit_bytes
+        if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
+            return False
+        plan = it.plan
+        if plan is None:
+            if it.req_pos != len(it.requests):
+                return False                  # an earlier request is not fully issued
+        else:
+            pos = it.plan_pos
+            if (pos >= len(plan.order) or plan.order[pos] != (req.key, 0)
+                    or plan.layout.get(req.key) != 1):
+                return False
+        req.iteration = it.index
+        it.requests.append(req)
+        it.by_key[req.key] = req
+        self.outstanding[id(req)] = req
+        if plan is None:
+            it.req_pos += 1                   # (what _peek would find: req fully issued)
+        else:
+            it.plan_pos += 1
+        self.in_flight_bytes += chunk.nbytes
+        self.chunks_dispatched += 1
+        self.bytes_dispatched += chunk.nbytes
+        if self.in_flight_bytes > self.peak_in_flight_bytes:
+            self.peak_in_flight_bytes = self.in_flight_bytes
+        if self.batched:
+            self._issue_direct(req, chunk)
+        else:
+            self._issue(chunk, 0)
+        if plan is not None and it.plan_pos < len(plan.order) and \
+                plan.order[it.plan_pos][0] in it.by_key:
+            self._pump()                      # requests the plan held for this one
+        return True
 
     def _mark_ready(self, req: Request) -> None:
         """Record where ``req``'s tensor is ready in the caller's stream (CUDA)."""
@@ -717,6 +828,7 @@ class _Lane:
         dispatched, self.dispatched = self.dispatched, []
         for req in dispatched:
             self.outstanding.pop(id(req), None)
+            req.outcome = True
         return dispatched
 
     def _resolve(self, requests: List[Request]) -> None:
@@ -724,19 +836,25 @@ class _Lane:
         submit). The futures carry no stream: ``Request.wait()`` and ``join()`` order the
         caller's stream after the collectives."""
         for req in requests:
-            req.future.set_result(req.tensor)
+            if req._future is not None:
+                _settle_outcome(req)
 
     def _take_failed_requests(self) -> List[Request]:
-        failed = [r for r in self.outstanding.values() if not r.future.done()]
+        """Fail every request not resolved yet (lock held); their futures are failed by
+        ``_fail_futures``, outside the lock."""
+        error = self.failure
+        if not isinstance(error, SchedulerError):
+            error = SchedulerError(str(error))
+        failed = [r for r in self.outstanding.values() if r.outcome is None]
+        for req in failed:
+            req.outcome = error
         self.outstanding.clear()
         return failed
 
     def _fail_futures(self, requests: List[Request]) -> None:
-        error = self.failure
-        if not isinstance(error, SchedulerError):
-            error = SchedulerError(str(error))
         for req in requests:
-            _settle_future(req.future, error=error)
+            if req._future is not None:
+                _settle_outcome(req)
 
     def _watchdog(self) -> None:
         """Turn a collective that never completes (a dead peer, mismatched collectives)
@@ -750,17 +868,15 @@ class _Lane:
                 item = self.waiting_item
                 if item is None or time.monotonic() - self.waiting_since <= self.timeout_s:
                     continue
-                chunk, step = item.chunk, item.step
-                req = chunk.request
-                what = (f"{req.steps[step]} of chunk {chunk.index}/{len(req.chunks)} of "
-                        f"request {req.key!r} ({chunk.nbytes} bytes, iteration {req.iteration})")
+                what = item.describe()
                 self._fail(SchedulerError(
                     f"commsched: {what} on lane {self.name} (ranks {list(self.ranks)}) did "
                     f"not complete within {self.timeout_s:.0f} s (COMMSCHED_TIMEOUT_S); a peer "
                     f"may have died or the ranks issued different collectives"))
                 failed = self._take_failed_requests()
-            if self.observer is not None:
-                self.observer.on_chunk(self._record(chunk, step, self.failure,
+            chunk = item.chunk
+            if self.observer is not None and chunk is not None:
+                self.observer.on_chunk(self._record(chunk, item.step, self.failure,
                                                     chunk.t_dispatch_ns, time.time_ns()))
             self._fail_futures(failed)
             return
@@ -797,15 +913,60 @@ class _Lane:
             # NCCL runs each group's collectives in issue order, so waiting for it waits
             # for every step issued before it on that group.
             self.newest[req.steps[step] if req.cross_group else None] = work
-            self.in_flight.append(_InFlight(chunk, step, work, start, end,
-                                            end is not None and end is req.done_event))
+            if end is None and start is None and not req.cross_group:
+                self._batch(chunk, step, last, work)
+            else:
+                self._close_batch()
+                self.in_flight.append(_InFlight(chunk, step, work, start, end,
+                                                end is not None and end is req.done_event))
         else:
             work = chunk.works = issue_step(chunk, step)
             self.in_flight.append(_InFlight(chunk, step, work, None, None))
         if nvtx:
             nvtx_range_pop()
-        if self._urgent(chunk, last) or len(self.in_flight) >= LAZY_ITEMS:
+        if self._urgent(chunk, last):
             self._ring()
+        elif self.must_complete < self.head_seq and (
+                len(self.in_flight) >= LAZY_ITEMS or self.in_flight[-1].count >= LAZY_ITEMS):
+            self._ring()                      # (not while the completion thread is at it)
+
+    def _issue_direct(self, req: Request, chunk: Chunk) -> None:
+        """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
+        in a lane whose steps nobody needs one by one (``batched``): the collective from
+        the caller's stream, the step into the open completion batch."""
+        chunk.t_dispatch_ns = time.time_ns()
+        req.chunks_issued = 1
+        req.issue_seq = self.requests_issued
+        self.requests_issued += 1
+        work = req.done_work = self.newest[None] = issue_step(chunk, 0)
+        self.dispatched.append(req)
+        self._batch(chunk, 0, True, work)
+        batch = self.in_flight[-1]
+        if batch.count >= LAZY_ITEMS and self.must_complete < self.head_seq:
+            self._ring()
+
+    def _batch(self, chunk: Chunk, step: int, last: bool, work) -> None:
+        """Add an untimed step with nothing waiting on its completion to the open batch."""
+        batch = self.in_flight[-1] if self.in_flight else None
+        if batch is None or not batch.open:
+            batch = _InFlight(None, 0, work, None, None)
+            batch.open = True
+            batch.t_first_ns = chunk.t_dispatch_ns
+            batch.iteration = chunk.request.iteration
+            self.in_flight.append(batch)
+        batch.work = work
+        batch.count += 1
+        if last:
+            batch.nbytes += chunk.nbytes
+            chunk.works = None            # (nothing completes it one by one)
+
+    def _close_batch(self) -> None:
+        """An item of its own follows: the open batch ends, with an event of its own (the
+        item's event covers the batch only where both ran on one stream)."""
+        if self.in_flight and self.in_flight[-1].open:
+            batch = self.in_flight[-1]
+            batch.open = False
+            self._seal(batch)
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
         """Issue one step on CUDA; returns (start event, end event, work).
@@ -879,9 +1040,11 @@ class _Lane:
     def _ring(self) -> None:
         """Have the completion thread complete everything issued so far (lock held)."""
         newest = self.head_seq + len(self.in_flight) - 1
-        if newest > self.must_complete:
-            if self.cuda and self.in_flight[-1].end is None:
-                self._seal(self.in_flight[-1])
+        if self.in_flight and newest > self.must_complete:
+            item = self.in_flight[-1]
+            item.open = False
+            if self.cuda and item.end is None:
+                self._seal(item)
             self.must_complete = newest
             self.wake.notify()
 
@@ -989,6 +1152,9 @@ class _Lane:
             for item, t_end in zip(batch, t_ends):
                 chunk, step, start, end, error = (item.chunk, item.step, item.start,
                                                   item.end, item.error)
+                if chunk is None:             # a batch of steps (CUDA, see _batch)
+                    self._complete_batch(item, t_end)
+                    continue
                 req = chunk.request
                 chunk.steps_done = step + 1
                 last = step == len(req.steps) - 1
@@ -1006,7 +1172,9 @@ class _Lane:
                         f"failed: {error}")
                     if self.failure is None:
                         self.failure = error
-                    finished.append((req, chunk, step, error))
+                    if req.outcome is None:
+                        req.outcome = error
+                        finished.append(req)
                 elif last:
                     if not self.cuda:
                         finish_chunk(chunk)
@@ -1018,8 +1186,9 @@ class _Lane:
                     self.in_flight_bytes -= chunk.nbytes
                     req.remaining -= 1
                     if req.remaining == 0 and not self.cuda:
-                        finished.append((req, chunk, step, None))
+                        finished.append(req)
                         self.outstanding.pop(id(req), None)
+                        req.outcome = True
                 if self.observer is not None or self.collecting:     # (autotune: rank 0)
                     records.append((chunk, step, start, error, t_start, t_end))
             if self.failure is None:
@@ -1046,9 +1215,21 @@ class _Lane:
         for item in batch:
             if item.end is not None and not item.keep_end:
                 self.events.append(item.end)
-        for req, chunk, step, error in finished:
-            _settle_future(req.future, req.tensor, error)
+        for req in finished:
+            if req._future is not None:
+                _settle_outcome(req)
         self._fail_futures(failed)
+
+    def _complete_batch(self, item: _InFlight, t_end: int) -> None:
+        """A batch completed (lock held): its credit back; the link busy with it from
+        its first dispatch at the earliest. A failed collective fails the lane."""
+        if item.error is not None and self.failure is None:
+            self.failure = SchedulerError(
+                f"commsched: one of {item.describe()} on lane {self.name} (ranks "
+                f"{list(self.ranks)}) failed: {item.error}")
+        self.in_flight_bytes -= item.nbytes
+        if item.error is None:
+            self.link_cost.add(item.t_first_ns, t_end, item.nbytes)
 
     def _record(self, chunk: Chunk, step: int, error, t_start: int, t_end: int) -> ChunkRecord:
         req = chunk.request
@@ -1121,6 +1302,15 @@ class _Lane:
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
         self.watchdog.join(timeout=1)      # (wakes at `stopping`)
+
+
+def _settle_outcome(req: Request) -> None:
+    """Resolve ``req``'s future as its outcome says."""
+    outcome = req.outcome
+    if outcome is True:
+        _settle_future(req._future, req.tensor)
+    else:
+        _settle_future(req._future, error=outcome)
 
 
 def _settle_future(future, value=None, error: Optional[BaseException] = None) -> None:
@@ -1234,6 +1424,26 @@ class Scheduler:
         """
         if self._closed:
             raise SchedulerError("submit() on a closed Scheduler")
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if (lane is not None and lane.whole and op == "all_reduce" and decompose is None
+                and partition_bytes is None and scale is None and reduce_op is _SUM
+                and tensor.dim() == 1 and tensor.is_contiguous()
+                and tensor.get_device() == lane.device_index):
+            # The common case, what the general path below does for it, spelled out: an
+            # all-reduce of the whole tensor (the lane's settings: no partitioning, no
+            # decomposition, no tuner).
+            if average:
+                if lane.kernel_average:
+                    reduce_op = _AVG
+                else:
+                    tensor.div_(lane.world_size)
+            req = Request(key, tensor, "all_reduce", lane, priority, reduce_op, "none",
+                          _ALL_REDUCE, False)
+            numel = tensor.numel()
+            req.chunks = [Chunk(req, 0, 0, numel, numel * tensor.element_size())]
+            req.remaining = 1
+            lane.add(req)
+            return req
         if op not in OPS:
             raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
         if tensor.dim() != 1 or not tensor.is_contiguous():
@@ -1246,7 +1456,7 @@ class Scheduler:
         group = group if group is not None else dist.group.WORLD
         lane = self._lanes.get(group) or self._lane(
             group, tensor.device, (repr(key), tensor.numel(), str(tensor.dtype), op))
-        if lane.device != tensor.device:
+        if tensor.get_device() != lane.device_index:
             raise ValueError(f"tensor on {tensor.device}, but earlier requests of lane "
                              f"{lane.name} were on {lane.device}")
         # autotune: the settings of the iteration this request joins (autotune.py)
@@ -1268,7 +1478,7 @@ class Scheduler:
             if decompose == "auto":
                 decompose = _auto_decomposition(lane, topology, tensor, partition_bytes)
         if (average and lane.kernel_average and op != "all_gather"
-                and reduce_op == dist.ReduceOp.SUM
+                and (reduce_op is _SUM or reduce_op == _SUM)
                 and (topology is None or decompose == "none")):
             reduce_op, average = dist.ReduceOp.AVG, False
         req = Request(key, tensor, op, lane, priority, reduce_op, decompose,

@@ -8,10 +8,11 @@ when the order allows, and returns the request's future. The last bucket ends th
 iteration, so what the plan still holds back may go; the hook returns from it once every
 chunk was issued.
 
-On CUDA the futures resolve once issued and carry no stream; the first bucket of a backward
-queues an autograd callback that runs at the end of backward, before DDP reads the buckets,
-and makes the stream there wait for every collective issued (``Scheduler.join``): the one
-wait per iteration for the device. On CPU the futures resolve when the collectives finished.
+On CUDA the futures resolve once issued and carry no stream: the last bucket's call makes
+the current stream wait for every collective issued (``Scheduler.join``) before DDP reads
+the buckets, the one wait per iteration for the device. Only the backward compute that
+follows the last bucket's gradients (none for most models) is queued behind it. On CPU the
+futures resolve when the collectives finished.
 
 Averaging is DDP's: the bucket is divided by the group size, then summed.
 """
@@ -37,8 +38,7 @@ class CommschedState:
         ddp_model.register_comm_hook(state, commsched_hook)
     """
 
-    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder",
-                 "join_queued")
+    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder")
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
@@ -56,12 +56,6 @@ class CommschedState:
         self.param_position: Dict[int, int] = {
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
-        self.join_queued = False
-
-    def join(self) -> None:
-        """End of backward (an autograd callback): DDP's stream waits for the collectives."""
-        self.join_queued = False
-        self.scheduler.join(self.group)
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
@@ -90,9 +84,6 @@ def commsched_hook(state: CommschedState,
         ddp_model.register_comm_hook(state, commsched.hooks.commsched_hook)
     """
     scheduler = state.scheduler
-    if not state.join_queued:
-        state.join_queued = True
-        _queue_callback(state.join)
     request = scheduler.submit(bucket.buffer(), key=bucket.index(),
                                priority=state.priority(bucket), group=state.group,
                                average=True)
@@ -101,13 +92,10 @@ def commsched_hook(state: CommschedState,
         # (the unused-parameter map with find_unused_parameters): ours must all have been
         # issued before, or the ranks' collective sequences could interleave differently.
         scheduler.end_iteration(state.group, wait_dispatched=True)
+        # DDP reads the buckets once this returns (at the end of backward, or at once
+        # where it reduces everything from a callback: static_graph's first iteration).
+        scheduler.join(state.group)
     return request.future
-
-
-def _queue_callback(callback) -> None:
-    """Run ``callback`` when the current backward ends (DDP queues its own end-of-backward
-    work the same way, later: callbacks run in the order they were queued)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,

@@ -206,7 +206,7 @@ class GroupState:
 
     def pending(self) -> List[Request]:
         """Submitted requests whose future has not resolved yet."""
-        self.outstanding = [r for r in self.outstanding if not r.future.done()]
+        self.outstanding = [r for r in self.outstanding if not r.done()]
         return self.outstanding
 
 

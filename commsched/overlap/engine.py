@@ -426,7 +426,7 @@ class OverlapEngine:
         step, gives the same values; what it saves is the optimizer's fixed cost per
         step() call (~100-300 us of Python for AdamW), paid once instead of per group."""
         req = g.request
-        if req is not None and not req.future.done():
+        if req is not None and not req.done():
             # Blocks this thread: wait first, more groups are done after it.
             g.request = None
             req.wait()
@@ -638,7 +638,7 @@ class OverlapEngine:
     def in_flight(self) -> int:
         """Number of layer groups whose request has not completed yet."""
         return sum(1 for g in self.groups
-                   if g.request is not None and not g.request.future.done())
+                   if g.request is not None and not g.request.done())
 
     def on_grad_access(self) -> None:
         """A gradient was read from Python (GradView): finish what is in flight first."""
@@ -711,7 +711,7 @@ def _due(request, cutoff: float) -> bool:
     is left to its own forward pre-hook: batched in, the forward would wait for it."""
     if request is None:
         return True
-    if not request.future.done():
+    if not request.done():
         return False
     seq = request.issue_seq
     return (seq is not None and seq <= cutoff) or request.finished()
@@ -719,7 +719,7 @@ def _due(request, cutoff: float) -> bool:
 
 def _running(request) -> bool:
     """Issued (its future done: CUDA stream semantics) but still running on the device."""
-    return request is not None and request.future.done() and not request.finished()
+    return request is not None and request.done() and not request.finished()
 
 
 def _issue_order(group: LayerGroup) -> float:

@@ -233,7 +233,7 @@ class ZeroEngine(OverlapEngine):
         for g in groups:
             if self._bw and g.submitted_iter == self._bw_iter:
                 continue
-            if g.actions and (g.request is None or g.request.future.done()):
+            if g.actions and (g.request is None or g.request.done()):
                 self._settle(g)
             if g.param_request is not None:
                 g.param_request.wait()
@@ -245,7 +245,7 @@ class ZeroEngine(OverlapEngine):
     def in_flight(self) -> int:
         """Number of reduce-scatters and all-gathers not completed yet."""
         return sum(1 for g in self.groups for r in (g.request, g.param_request)
-                   if r is not None and not r.future.done())
+                   if r is not None and not r.done())
 
     # ---- optimizer entry points -----------------------------------------------------------
     def step(self, kwargs: dict) -> None:

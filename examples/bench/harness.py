@@ -637,6 +637,36 @@ def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
 
 
+def run_ddp_commsched_sum(bench: Bench) -> Dict[str, Any]:
+    """The commsched hook with default settings, except that each bucket is multiplied by
+    1/world size and summed (as PyTorch's Python hook does) instead of averaged inside
+    the collective (ReduceOp.AVG): what the in-kernel average costs or saves."""
+    commsched = benchlib.import_commsched()
+    hooks = benchlib.import_commsched_hooks()
+    config = commsched.Config.from_env().replace(enabled=True)
+    model = bench.ddp(bench.build_model())
+    state = hooks.CommschedState(model, config)
+    scale = 1.0 / bench.world_size
+
+    def hook(state, bucket):
+        scheduler = state.scheduler
+        request = scheduler.submit(bucket.buffer(), key=bucket.index(),
+                                   priority=state.priority(bucket), group=state.group,
+                                   scale=scale)
+        if bucket.is_last():
+            scheduler.end_iteration(state.group, wait_dispatched=True)
+            scheduler.join(state.group)
+        return request.future
+
+    model.register_comm_hook(state, hook)
+    try:
+        step = bench.train_step(model, bench.optimizer(model.parameters()))
+        times = bench.time(step)
+    finally:
+        close_quietly(state)
+    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
+
+
 def run_ddp_commsched_autotune(bench: Bench, max_settle: int = 120) -> Dict[str, Any]:
     """The commsched hook with the online tuner and telemetry on. After the warm-up, steps
     run untimed until the tuner has judged its trial (keep / revert / unchanged / failed;
@@ -745,6 +775,8 @@ MODES: List[Mode] = [
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
+    Mode("ddp_commsched_sum", "5s as 5, buckets scaled by 1/world and summed (no "
+         "ReduceOp.AVG)", run_ddp_commsched_sum),
     Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, unbounded credit",
          lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
     Mode("ddp_commsched_route", "5c DDP + commsched hook, whole buckets, unbounded credit",
