@@ -1,0 +1,79 @@
+"""Plot ms/iteration per mode (median, p10-p90 bars) from harness.py JSON files, one
+panel per regime and model: the figure of a dated report under ``benchmarks/``.
+
+    python examples/bench/plot_modes.py results/*.json -o benchmarks/some_report.png
+
+Modes that did not run (n/a, error) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+
+def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, float, float]]]:
+    """(regime, model) -> [(mode label, median, p10, p90)], in file and table order; a
+    mode measured in several files keeps its first measurement."""
+    out: Dict[Tuple[str, str], List[Tuple[str, float, float, float]]] = {}
+    for path in paths:
+        document = json.loads(path.read_text())
+        for launch in document.get("launches", []):
+            for run in launch.get("runs", []):
+                rows = out.setdefault((run["regime"], run["model"]), [])
+                seen = {label for label, *_ in rows}
+                for mode in run["modes"].values():
+                    if mode.get("status") != "ok" or mode.get("median_ms") is None:
+                        continue
+                    label = mode.get("label") or mode.get("name")
+                    if label not in seen:
+                        rows.append((label, mode["median_ms"], mode["p10_ms"], mode["p90_ms"]))
+    return {key: rows for key, rows in out.items() if rows}
+
+
+def plot(data, output: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(data)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 1.2 + 0.45 * sum(
+        len(data[k]) for k in keys)), squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        rows = data[key]
+        labels = [label[:60] for label, *_ in rows]
+        medians = [m for _, m, _, _ in rows]
+        low = [m - p10 for _, m, p10, _ in rows]
+        high = [p90 - m for _, m, _, p90 in rows]
+        y = range(len(rows))
+        ax.barh(y, medians, xerr=[low, high], color="#4c78a8", capsize=3)
+        ax.set_yticks(list(y), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(m + h for m, h in zip(medians, high)) * 1.08)
+        ax.set_title(f"{key[1]}, {key[0]}", fontsize=9)
+        ax.set_xlabel("ms/iteration (median, p10-p90)", fontsize=8)
+        for i, m in enumerate(medians):
+            ax.text(m, i, f" {m:.1f}", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("json", nargs="+", type=Path, help="harness.py --out files")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
+    args = parser.parse_args(argv)
+    data = panels(args.json)
+    if not data:
+        print("plot_modes: no measured mode in the given files", file=sys.stderr)
+        return 1
+    plot(data, args.output)
+    print(f"plot_modes: wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
