@@ -121,7 +121,8 @@ class Request:
 
     __slots__ = (
         "key", "tensor", "op", "group", "world_size", "rank", "priority", "reduce_op",
-        "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration", "t_submit_ns",
+        "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration",
+        "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
         "cross_group", "issue_seq", "waited",
     )
@@ -1384,10 +1385,10 @@ class Scheduler:
                  feeds_forward: bool = False):
         """``owns_groups``: the caller issues no collective of its own on a lane's group
         between a request's submission and the end of its iteration (the DDP hook and the
-        data-parallel mode: they submit from backward). With ``Config.dispatch`` "auto",
-        only such a scheduler's CUDA lanes get a dispatch thread: one running beside a
-        caller that does issue collectives on the group could put them in a different
-        order on different ranks.
+        data-parallel mode: they submit from backward), the condition under which
+        ``Config.dispatch="thread"`` is safe: a dispatch thread running beside a caller
+        that does issue collectives on the group could put them in a different order on
+        different ranks.
 
         ``feeds_forward``: the next forward consumes each iteration's requests in priority
         order while the rest still communicate (the data-parallel mode). With

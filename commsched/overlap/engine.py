@@ -718,7 +718,7 @@ def _due(request, cutoff: float) -> bool:
 
 
 def _running(request) -> bool:
-    """Issued (its future done: CUDA stream semantics) but still running on the device."""
+    """Issued (done: on CUDA, once issued) but still running on the device."""
     return request is not None and request.done() and not request.finished()
 
 

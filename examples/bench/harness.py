@@ -775,7 +775,7 @@ MODES: List[Mode] = [
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
-    Mode("ddp_commsched_sum", "5s as 5, buckets scaled by 1/world and summed (no "
+    Mode("ddp_commsched_sum", "5h as 5, buckets scaled by 1/world and summed (no "
          "ReduceOp.AVG)", run_ddp_commsched_sum),
     Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, unbounded credit",
          lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
@@ -797,8 +797,8 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
-    Mode("ddp_commsched_inline", "5g as 5, collectives issued by the autograd thread "
-         "(COMMSCHED_DISPATCH=inline)", lambda bench: run_ddp_commsched(bench, dispatch="inline")),
+    Mode("ddp_commsched_thread", "5g as 5, collectives issued by a dispatch thread "
+         "(COMMSCHED_DISPATCH=thread)", lambda bench: run_ddp_commsched(bench, dispatch="thread")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("commsched_dp_unbounded", "6e as 6, every layer group in flight at once "
          "(COMMSCHED_GROUPS_IN_FLIGHT=0)",
@@ -807,8 +807,8 @@ MODES: List[Mode] = [
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
          lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
-    Mode("commsched_dp_inline", "6d as 6, collectives issued by the autograd thread "
-         "(COMMSCHED_DISPATCH=inline)", lambda bench: run_commsched_dp(bench, dispatch="inline")),
+    Mode("commsched_dp_thread", "6d as 6, collectives issued by a dispatch thread "
+         "(COMMSCHED_DISPATCH=thread)", lambda bench: run_commsched_dp(bench, dispatch="thread")),
     Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
          lambda bench: run_commsched_dp(bench, plan_forward=False)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
