@@ -7,21 +7,26 @@ collectives, and reports what ran to telemetry.
 """
 
 from .config import Config, ConfigError
+from .errors import CommschedError
 from .scheduler import Request, Scheduler, SchedulerError
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "Scheduler", "Request", "SchedulerError", "step",
-           "wrap", "drain", "__version__"]
+__all__ = ["Config", "ConfigError", "CommschedError", "Scheduler", "Request", "SchedulerError",
+           "step", "wrap", "drain", "hooks", "megatron_patches", "__version__"]
 
 
 def __getattr__(name):
-    # The data-parallel mode is imported on first use: ``import commsched`` stays light
-    # for the DDP hook and the launcher.
+    # The data-parallel mode and the adapters are imported on first use: ``import
+    # commsched`` stays light for the DDP hook and the launcher.
     if name in ("wrap", "drain"):
         from . import overlap
 
         return getattr(overlap, name)
+    if name in ("hooks", "megatron_patches"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'commsched' has no attribute {name!r}")
 
 

@@ -14,10 +14,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from .errors import CommschedError
+
 __all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES"]
 
 
-class ConfigError(ValueError):
+class ConfigError(CommschedError, ValueError):
     """A configuration value was rejected; the message names the variable or argument."""
 
 

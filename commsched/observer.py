@@ -1,14 +1,13 @@
 """The narrow interface through which telemetry observes the scheduler.
 
 The scheduler knows nothing about stores, NVML or traces: it hands finished records to an
-``Observer``. ``on_chunk`` is called from the scheduler's completion thread, never from the
-training thread, and must only enqueue (no I/O, no NVML). An observer may also define
-``on_chunks(records)``: the scheduler then hands over each completed batch at once.
+``Observer``. ``on_chunks`` is called from the scheduler's completion thread, never from
+the training thread, and must only enqueue (no I/O, no NVML).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 __all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Observer"]
 
@@ -60,12 +59,20 @@ class IterationRecord(NamedTuple):
     flush_mark: Optional[DeviceMark] = None
 
 
-class Observer(Protocol):
+class Observer:
+    """What observes a scheduler: subclass it and define ``on_chunk`` (and ``on_chunks``
+    where a batch can be taken at once). The scheduler calls ``on_chunks`` and
+    ``on_iteration`` only."""
+
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        """Chunk steps that finished together on the device, in issue order. Called from
+        the completion thread; by default ``on_chunk`` for each."""
+        for record in records:
+            self.on_chunk(record)
+
     def on_chunk(self, record: ChunkRecord) -> None:
         """A chunk step finished on the device. Called from the completion thread."""
-
-    # Optional: ``on_chunks(records: List[ChunkRecord]) -> None``, the steps that finished
-    # together, in issue order (one enqueue for the batch instead of one per step).
+        raise NotImplementedError
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (all its requests submitted). Training thread."""

@@ -16,10 +16,12 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
+from .errors import CommschedError
+
 __all__ = ["AgreementError", "check_agreement", "step_crc", "first_divergence"]
 
 
-class AgreementError(RuntimeError):
+class AgreementError(CommschedError, RuntimeError):
     """Ranks differ in something that must be identical for their collectives to match."""
 
 

@@ -80,9 +80,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
-from .autotune import Tuner
-from .calibrate import calibrate, static_choice
 from .config import DECOMPOSITIONS, Config
+from .errors import CommschedError
 from .observer import ChunkRecord, DeviceMark, IterationRecord
 from .partition import Chunk, partition
 from .plan import LinkCost, Plan, RequestProfile, lane_plan
@@ -104,7 +103,7 @@ _ALL_REDUCE = steps_for("all_reduce", "none")
 LAZY_ITEMS = 64
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(CommschedError, RuntimeError):
     """A request could not be scheduled, or a collective it ran failed."""
 
 
@@ -289,7 +288,6 @@ class _Lane:
                  config: Config, threaded: bool = False):
         self.config = config
         self.observer = scheduler.observer
-        self.on_chunks = getattr(self.observer, "on_chunks", None)     # optional, batched
         self.trace_dispatch = scheduler.trace_dispatch
         self.verify = config.verify
         self.nvtx = config.nvtx
@@ -363,7 +361,11 @@ class _Lane:
         # order (the config's unless tuned); rank 0 keeps chunk records while `collecting`.
         self.credit_bytes = self.config.credit_bytes
         self.collecting = False
-        self.tuner: Optional[Tuner] = Tuner(self) if self.config.autotune else None
+        self.tuner = None
+        if self.config.autotune:
+            from .autotune import Tuner       # (the tuner and its simulator load on demand)
+
+            self.tuner = Tuner(self)
         # No per-step work beyond issuing it: the hot path applies (_issue_at_once).
         self.lean = not (self.trace_dispatch or self.verify or self.nvtx or self.tuner)
         # Requests go whole, as one all-reduce each, unless a request asks otherwise.
@@ -877,8 +879,8 @@ class _Lane:
                 failed = self._take_failed_requests()
             chunk = item.chunk
             if self.observer is not None and chunk is not None:
-                self.observer.on_chunk(self._record(chunk, item.step, self.failure,
-                                                    chunk.t_dispatch_ns, time.time_ns()))
+                self.observer.on_chunks([self._record(chunk, item.step, self.failure,
+                                                      chunk.t_dispatch_ns, time.time_ns())])
             self._fail_futures(failed)
             return
 
@@ -1202,11 +1204,8 @@ class _Lane:
         if records:
             built = [self._record(chunk, step, error, t_start, t_end)
                      for chunk, step, _, error, t_start, t_end in records]
-            if self.on_chunks is not None:
-                self.on_chunks(built)
-            elif self.observer is not None:
-                for record in built:
-                    self.observer.on_chunk(record)
+            if self.observer is not None:
+                self.observer.on_chunks(built)
             if self.tuner is not None:        # autotune: rank 0's profile of device times
                 for record in built:
                     self.tuner.on_chunk(record)
@@ -1337,6 +1336,8 @@ def _auto_decomposition(lane: "_Lane", topology: Topology, tensor: torch.Tensor,
     ``auto`` keeps the static size rule."""
     if topology.nodes == 1:
         return "none"
+    from .calibrate import calibrate, static_choice
+
     if topology.auto_table is None and lane.iteration_count == 0:
         topology.auto_table = calibrate(topology, lane.device, tensor.dtype)
     nbytes = tensor.numel() * tensor.element_size()

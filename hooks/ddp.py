@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from commsched.config import Config
 from commsched.scheduler import Scheduler
-from commsched.telemetry import close_with_scheduler, open_rank_recorder
 
 __all__ = ["CommschedState", "commsched_hook", "register"]
 
@@ -45,6 +44,8 @@ class CommschedState:
         config = config if config is not None else Config.from_env()
         self.recorder = None
         if observer is None and scheduler is None and config.telemetry_dir:
+            from commsched.telemetry import open_rank_recorder
+
             observer = self.recorder = open_rank_recorder(
                 config, next(ddp_model.parameters()).device)
         self.scheduler = (scheduler if scheduler is not None
@@ -59,6 +60,8 @@ class CommschedState:
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
+        from commsched.telemetry import close_with_scheduler
+
         close_with_scheduler(self.scheduler, self.recorder, timeout)
 
     def priority(self, bucket: dist.GradBucket) -> int:

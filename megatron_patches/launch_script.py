@@ -2,7 +2,8 @@
 
 ``commsched patch-launch SCRIPT`` finds the line that starts training (``torchrun ...
 pretrain_gpt.py``, ``python -m torch.distributed.run ...``, ``srun ... python -u ...``, the
-same inside ``CMD="..."``) and inserts ``-m commsched.run`` right before the entry point::
+same inside ``CMD="..."`` or a here-document given to ``sbatch``) and inserts
+``-m commsched.run`` right before the entry point::
 
     torchrun $DISTRIBUTED_ARGS pretrain_gpt.py --num-layers 24
     torchrun $DISTRIBUTED_ARGS -m commsched.run pretrain_gpt.py --num-layers 24
@@ -30,6 +31,11 @@ import sys
 import tempfile
 from typing import NamedTuple
 
+try:
+    from commsched.errors import CommschedError
+except ImportError:     # run as a file where commsched is not importable
+    CommschedError = Exception
+
 __all__ = ["LaunchPatchError", "patch_script", "main", "SHAPES"]
 
 INSERT = "-m commsched.run "
@@ -38,8 +44,10 @@ SHAPES = """\
   python -m torch.distributed.run|launch [ARGS] SCRIPT.py|-m MODULE ...
   [srun|mpirun ...] python [FLAGS] SCRIPT.py ...  (plain python: under srun/mpirun/mpiexec,
       or a pretrain_*/train*/finetune* script)
-  wrapped in env/uv run/nohup/exec/..., continued with backslashes, or inside a quoted
-  assignment (CMD="...") or a bash -c / sh -c / eval string"""
+  torchrun [ARGS] "$SCRIPT_VARIABLE" ...  (the entry point in a quoted variable)
+  wrapped in env/uv run/nohup/exec/... or a variable ($PROFILE_CMD python ...), continued
+  with backslashes, inside a quoted assignment (CMD="...") or a bash -c / sh -c / eval
+  string, or in a here-document given to sbatch/bash/sh"""
 
 _SETTING_NAME = re.compile(r"^COMMSCHED(_[A-Z0-9_]+)?$")
 _BLOCK_BEGIN = "# commsched: begin (exported by commsched patch-launch; rerun it to change)"
@@ -63,7 +71,7 @@ _BREAK = set(" \t\r\n|&;()<>")
 _PATCHED = object()  # sentinel: this launch command already runs commsched.run
 
 
-class LaunchPatchError(ValueError):
+class LaunchPatchError(CommschedError, ValueError):
     """The script cannot be patched; the message says why."""
 
 
@@ -71,6 +79,7 @@ class Word(NamedTuple):
     value: str  # quotes removed, expansions kept verbatim ("$MEGATRON/pretrain_bert.py")
     start: int  # offsets of the raw word in the scanned text
     end: int
+    quoted: bool = False  # the whole word is one quoted string: never split by the shell
 
 
 # --- tokenizer ------------------------------------------------------------------------
@@ -119,7 +128,7 @@ def _skip(text: str, i: int) -> int:
 
 
 def _read_word(text: str, i: int) -> Word:
-    start, parts = i, []
+    start, parts, quotes = i, [], 0
     while i < len(text):
         c = text[i]
         if _continuation(text, i):
@@ -131,29 +140,38 @@ def _read_word(text: str, i: int) -> Word:
             j = _skip(text, i)
             # Quotes are removed from the value; expansions are kept as written.
             parts.append(text[i + 1:j - 1] if c in "'\"" else text[i:j])
+            quotes += c in "'\""
             i = j
         elif c in _BREAK:
             break
         else:
             parts.append(c)
             i += 1
-    return Word("".join(parts), start, min(i, len(text)))
+    end = min(i, len(text))
+    return Word("".join(parts), start, end,
+                quotes == 1 and text[start] in "'\"" and _skip(text, start) == end)
 
 
-def _skip_heredoc(text: str, i: int, delimiter: str, strip_tabs: bool) -> int:
+def _skip_heredoc(text: str, i: int, delimiter: str, strip_tabs: bool) -> tuple[int, int]:
+    """(end of the body, index after its delimiter line) for a body starting at i."""
     while i < len(text):
         eol = text.find("\n", i)
         eol = len(text) if eol < 0 else eol
         line = text[i:eol].rstrip("\r")
-        i = eol + 1
         if (line.lstrip("\t") if strip_tabs else line) == delimiter:
-            break
-    return i
+            return i, eol + 1
+        i = eol + 1
+    return len(text), len(text)
 
 
-def _scan(text: str) -> list[list[Word]]:
-    """Split shell text into simple commands (lists of words), without redirections."""
-    commands, words, heredocs, i = [], [], [], 0
+# Commands whose here-document is a script they run (`sbatch <<EOF`, `bash <<'EOF'`).
+_SCRIPT_READERS = {"sbatch", "bash", "sh", "zsh", "dash"}
+
+
+def _scan(text: str) -> tuple[list[list[Word]], list[tuple[int, int]]]:
+    """Split shell text into simple commands (lists of words), without redirections; and
+    the (start, end) of here-documents given to a command that runs them as a script."""
+    commands, words, heredocs, bodies, i = [], [], [], [], 0
     while i < len(text):
         c = text[i]
         if c in " \t\r":
@@ -163,9 +181,12 @@ def _scan(text: str) -> list[list[Word]]:
         elif c == "\n" or c in "|&;()" and not text.startswith("&>", i):
             commands.append(words)
             words, i = [], i + 1
-            if c == "\n":  # heredoc bodies are data, not commands
-                for delimiter, strip_tabs in heredocs:
-                    i = _skip_heredoc(text, i, delimiter, strip_tabs)
+            if c == "\n":  # heredoc bodies are data, not commands, unless run as a script
+                for delimiter, strip_tabs, runs in heredocs:
+                    start = i
+                    end, i = _skip_heredoc(text, i, delimiter, strip_tabs)
+                    if runs:
+                        bodies.append((start, end))
                 heredocs = []
         elif c == "#":  # a word cannot start here, so this is a comment
             i = _find(text, "\n", i)
@@ -179,13 +200,14 @@ def _scan(text: str) -> list[list[Word]]:
             target = _read_word(text, i)
             i = target.end
             if op in ("<<", "<<-"):
-                heredocs.append((target.value, op == "<<-"))
+                runs = bool(words) and _base(words[0]) in _SCRIPT_READERS
+                heredocs.append((target.value, op == "<<-", runs))
         else:
             word = _read_word(text, i)
             words.append(word)
             i = word.end
     commands.append(words)
-    return [w for w in commands if w]
+    return [w for w in commands if w], bodies
 
 
 # --- recognising launch commands ---------------------------------------------------------
@@ -202,6 +224,25 @@ def _is_launcher(word: Word) -> bool:
     return _LAUNCHER.fullmatch(_clean(word.value)) is not None
 
 
+_EXPANSION = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[^}]*\})")
+
+
+def _is_expansion(word: Word) -> bool:
+    """The word is one parameter expansion (`$X`, `${X}`, `${X[@]}`, quoted or not)."""
+    return _EXPANSION.fullmatch(word.value) is not None
+
+
+# torchrun options that take the next word as their value (unless written OPTION=VALUE).
+_TORCHRUN_VALUES = {
+    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank", "--node_rank",
+    "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-id",
+    "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--master-addr", "--master_addr",
+    "--master-port", "--master_port", "--local-addr", "--local_addr", "--max-restarts",
+    "--max_restarts", "--monitor-interval", "--monitor_interval", "--start-method",
+    "--start_method", "--role", "--log-dir", "--log_dir", "-r", "--redirects", "-t", "--tee",
+    "--local-ranks-filter", "--local_ranks_filter", "--logs-specs", "--logs_specs"}
+
+
 def _launcher_entry(args: list[Word]):
     """Entry point after torchrun / torch.distributed.{run,launch}: a *.py or its -m flag."""
     for k, word in enumerate(args):
@@ -215,6 +256,18 @@ def _launcher_entry(args: list[Word]):
             return None  # the entry point is an executable, not Python
         if value.endswith(".py") and not value.startswith("-"):
             return word
+    # No SCRIPT.py: the entry point may be held in a variable, `"$PRETRAIN_SCRIPT_PATH"`.
+    # Only a quoted one is a single word; an unquoted `$ARGS` or `${ARGS[@]}` is taken for
+    # launcher options, which scripts keep in such variables.
+    k = 0
+    while k < len(args):
+        word, value = args[k], _clean(args[k].value)
+        if value.startswith("-"):
+            k += 2 if value in _TORCHRUN_VALUES else 1
+        elif _is_expansion(word) and not word.quoted:
+            k += 1
+        else:
+            return word if word.quoted and _is_expansion(word) else None
     return None
 
 
@@ -223,8 +276,10 @@ def _entry(words: list[Word]):
     i = 0
     while i < len(words) and (words[i].value in _KEYWORDS or _ASSIGN.match(words[i].value)):
         i += 1
-    # Only a command that *invokes* a launcher counts: `echo torchrun x.py` does not.
-    if i == len(words) or not (_is_launcher(words[i]) or _base(words[i]) in _WRAPPERS):
+    # Only a command that *invokes* a launcher counts: `echo torchrun x.py` does not. A
+    # leading expansion is a command prefix kept in a variable (`${PROFILE_CMD} python`).
+    if i == len(words) or not (_is_launcher(words[i]) or _base(words[i]) in _WRAPPERS
+                               or _is_expansion(words[i])):
         return None
     under_rank_launcher = False
     while i < len(words) and not _is_launcher(words[i]):
@@ -269,7 +324,12 @@ def _quoted_body(text: str, word: Word):
 def _find_launches(text: str, base: int = 0) -> tuple[list[int], int]:
     """Offsets (into the whole script) to insert at, and how many launches are patched."""
     inserts, patched = [], 0
-    for words in _scan(text):
+    commands, bodies = _scan(text)
+    for start, end in bodies:
+        more, done = _find_launches(text[start:end], base + start)
+        inserts += more
+        patched += done
+    for words in commands:
         entry = _entry(words)
         if entry is _PATCHED:
             patched += 1

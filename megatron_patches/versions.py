@@ -22,11 +22,13 @@ import inspect
 import re
 from typing import Dict, FrozenSet, NamedTuple, Optional, Tuple
 
+from commsched.errors import CommschedError
+
 __all__ = ["UnsupportedMegatronVersion", "MegatronSeries", "SUPPORTED", "megatron_version",
            "check_supported", "signature_text"]
 
 
-class UnsupportedMegatronVersion(RuntimeError):
+class UnsupportedMegatronVersion(CommschedError, RuntimeError):
     """The installed megatron-core is not one the patches were written against."""
 
 

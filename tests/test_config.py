@@ -103,3 +103,46 @@ def test_launcher_exits_nonzero_naming_the_variable(var, value, tmp_path):
     assert var in proc.stderr
     assert "the script ran" not in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_every_commsched_error_derives_from_one_base():
+    """``except commsched.CommschedError`` catches whatever commsched raised, and each error
+    keeps the standard base that says what kind it is."""
+    import commsched
+    from commsched.megatron_patches.launch_script import LaunchPatchError
+    from commsched.megatron_patches.versions import UnsupportedMegatronVersion
+    from commsched.safety import AgreementError
+    from commsched.sim.model import SimError
+    from commsched.telemetry.errors import TelemetryError
+    kinds = {commsched.ConfigError: ValueError, commsched.SchedulerError: RuntimeError,
+             AgreementError: RuntimeError, SimError: ValueError, LaunchPatchError: ValueError,
+             UnsupportedMegatronVersion: RuntimeError, TelemetryError: Exception}
+    for error, kind in kinds.items():
+        assert issubclass(error, commsched.CommschedError), error
+        assert issubclass(error, kind), error
+    with pytest.raises(commsched.CommschedError, match="COMMSCHED_POLICY"):
+        commsched.Config.from_env({"COMMSCHED_POLICY": "lifo"})
+
+
+def test_the_adapters_are_attributes_of_the_package():
+    """After ``import commsched`` the README's ``commsched.hooks.register(...)`` works."""
+    code = ("import commsched, sys; assert 'commsched.hooks' not in sys.modules; "
+            "print(commsched.hooks.register.__name__, commsched.megatron_patches.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["register", "commsched.megatron_patches"]
+
+
+def test_the_core_loads_no_telemetry_store_nvml_simulator_or_tuner():
+    """``import commsched`` / ``commsched.scheduler`` / ``commsched.hooks`` load what
+    observes the scheduler (store, NVML sampler) and the tuner only when a setting asks."""
+    heavy = ("commsched.telemetry.store", "commsched.telemetry.recorder",
+             "commsched.telemetry.nvml", "commsched.telemetry.sampler", "commsched.sim",
+             "commsched.autotune", "commsched.calibrate", "commsched.overlap", "sqlite3")
+    code = ("import sys, commsched, commsched.scheduler, commsched.hooks; "
+            f"print([m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

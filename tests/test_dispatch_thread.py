@@ -14,6 +14,7 @@ import torch
 
 import commsched.scheduler
 from commsched import Config, ConfigError, Scheduler, SchedulerError
+from commsched.observer import Observer
 
 
 @pytest.fixture
@@ -171,7 +172,7 @@ def test_an_observer_error_on_the_dispatch_thread_fails_the_lane(world1):
     """The observer's on_iteration runs on the dispatch thread: its error reaches the caller
     instead of leaving end_iteration() waiting forever."""
 
-    class Broken:
+    class Broken(Observer):
         def on_chunk(self, record):
             pass
 

@@ -46,6 +46,10 @@ EXPECTED = {
     "uv_module.sh": "\n  -m commsched.run -m mypkg.train --micro-batch-size 2",
     "crlf_mamba.sh": "\r\n  -m commsched.run pretrain_mamba.py \\\r\n",
     "mentions_untouched.sh": "exec torchrun --nproc_per_node 2 -m commsched.run train_llama.py",
+    "torchrun_script_var.sh":
+        'torchrun ${DISTRIBUTED_ARGS[@]} -m commsched.run "$PRETRAIN_SCRIPT_PATH" \\\n',
+    "sbatch_heredoc_cmd.sh":
+        "\\${PROFILE_CMD} python -m commsched.run ${MEGATRON_PATH}/pretrain_gpt.py",
 }
 SETTINGS = {"COMMSCHED": "1", "COMMSCHED_CREDIT_BYTES": "8MiB", "COMMSCHED_TAG": "run a&b"}
 
@@ -161,7 +165,9 @@ def test_one_line_shapes(before, after):
     "python -c 'import torch' pretrain_gpt.py\n",
     "echo torchrun pretrain_gpt.py\n",
     "cat <<EOF\ntorchrun pretrain_gpt.py\nEOF\n",
-    "torchrun $ARGS $SCRIPT\n",  # entry point hidden in a variable: cannot tell
+    "torchrun $ARGS $SCRIPT\n",  # unquoted variables: launcher options, as far as we can tell
+    "cat <<EOF\n${PROFILE} python pretrain_gpt.py\nEOF\n",  # a here-document cat prints
+    "sbatch job.sh <<< 'torchrun x.py'\n",  # a here-string is not a script read by sbatch
 ])
 def test_not_a_launch(text):
     with pytest.raises(LaunchPatchError):
@@ -216,6 +222,7 @@ while [ $# -gt 0 ]; do case "$1" in --container-image) shift 2;; -*) shift;; *) 
 exec "$@"
 """
 FAKE_UV = "#!/bin/sh\nshift; while [ \"${1#-}\" != \"$1\" ]; do shift; done; exec \"$@\"\n"
+FAKE_SBATCH = "#!/bin/sh\nexec bash -s\n"      # runs the job script it reads at once
 
 # fixture -> argv tail that must follow the inserted `-m commsched.run`
 BEHAVIOUR = {
@@ -229,6 +236,8 @@ BEHAVIOUR = {
     "torchrun_module.sh": ["-m", "megatron.training.pretrain", "--num-layers", "2"],
     "uv_module.sh": ["-m", "mypkg.train", "--micro-batch-size", "2"],
     "mentions_untouched.sh": ["train_llama.py", "--lr", "3e-4"],
+    "torchrun_script_var.sh": ["pretrain_gpt.py", "--num-layers", "96"],
+    "sbatch_heredoc_cmd.sh": ["/opt/megatron-lm/pretrain_gpt.py", "--num-layers", "24"],
 }
 
 
@@ -237,7 +246,8 @@ def run_with_fakes(text: str, tmp_path: Path) -> list[list[str]]:
     bin_dir.mkdir(exist_ok=True)
     work.mkdir(exist_ok=True)
     for prog, body in [("torchrun", FAKE_PROGRAM), ("python", FAKE_PROGRAM),
-                       ("python3", FAKE_PROGRAM), ("srun", FAKE_SRUN), ("uv", FAKE_UV)]:
+                       ("python3", FAKE_PROGRAM), ("srun", FAKE_SRUN), ("uv", FAKE_UV),
+                       ("sbatch", FAKE_SBATCH)]:
         (bin_dir / prog).write_text(body)
         (bin_dir / prog).chmod(0o755)
     script, log = work / "launch.sh", tmp_path / "argv.log"

@@ -44,6 +44,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import CommschedError
+
 __all__ = ["SimError", "AlphaBeta", "FittedCostModel", "TopologyCostModel", "fit_alpha_beta",
            "fit_cost_model", "fit_host_costs", "busy_periods", "join_ranks", "TOPOLOGIES"]
 
@@ -51,7 +53,7 @@ STEPS = ("all_reduce", "reduce_scatter", "all_gather")
 TOPOLOGIES = ("ring", "tree", "hier")
 
 
-class SimError(ValueError):
+class SimError(CommschedError, ValueError):
     """Bad simulator input (profile, configuration, cost model, run directory); the message
     says what and why. The CLIs print it without a traceback and exit with status 2."""
 

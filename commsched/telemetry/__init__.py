@@ -26,8 +26,21 @@ from __future__ import annotations
 
 from .errors import TelemetryError, TelemetryWarning
 from .nvtx_ranges import nvtx_range_pop, nvtx_range_push
-from .recorder import Recorder, close_with_scheduler, open_rank_recorder, open_recorder, step
-from .store import RunData, load_run
+
+# The recorder and the store (sqlite3, NVML, numpy) load on first use: the scheduler and
+# the DDP hook import this package for its light modules alone.
+_LAZY = {"Recorder": "recorder", "close_with_scheduler": "recorder",
+         "open_rank_recorder": "recorder", "open_recorder": "recorder", "step": "recorder",
+         "RunData": "store", "load_run": "store"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 __all__ = [
     "Recorder", "open_recorder", "open_rank_recorder", "close_with_scheduler", "step",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from ..errors import CommschedError
+
 __all__ = ["TelemetryError", "TelemetryWarning"]
 
 
-class TelemetryError(Exception):
+class TelemetryError(CommschedError):
     """A telemetry run directory or store cannot be read. The message says which file and why;
     the ``commsched report`` / ``commsched trace`` CLIs print it without a traceback."""
 

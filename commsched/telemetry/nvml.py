@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from ..errors import CommschedError
+
 __all__ = [
     "FIELD", "SCOPE_ALL_LINKS", "MAX_LINKS", "NvmlUnavailable", "GpuInfo", "LinkInfo",
     "GpuSelector", "NvmlBackend", "PynvmlBackend", "FakeNvmlBackend", "FakeGpu", "FakeLink",
@@ -47,7 +49,7 @@ REMOTE_TYPES = {0: "gpu", 1: "ibmnpu", 2: "switch", 0xFF: "unknown"}
 HEALTH_COUNTERS = ("state", "speed_mbps", "crc_flit", "crc_data", "replay", "recovery")
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(CommschedError):
     """NVML or NVLink cannot be used here. ``status`` is the short code stored in the runs
     table (no_pynvml, no_nvml, no_gpu, no_nvlink, counters_unsupported); ``detail`` says why."""
 

@@ -24,7 +24,7 @@ import time
 import warnings
 from typing import List, Optional
 
-from ..observer import ChunkRecord, IterationRecord
+from ..observer import ChunkRecord, IterationRecord, Observer
 from . import nvtx_ranges
 from .errors import TelemetryWarning
 from .nvml import GpuSelector, NvmlBackend, PynvmlBackend
@@ -38,7 +38,7 @@ _active: List["Recorder"] = []
 _active_lock = threading.Lock()
 
 
-class Recorder:
+class Recorder(Observer):
     """Records one rank's chunks, iterations, steps and NVLink samples into its store.
 
     Build it with :func:`open_recorder`. A disabled recorder (telemetry off, or the store

@@ -107,12 +107,15 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
     whose ``fn`` returned ends without finalizing the interpreter (see ``_worker``).
     """
     start = time.monotonic()
-    context = mp.start_processes(_worker, args=(fn, *args), nprocs=nprocs, join=False,
+    # ready[rank] = 1 once the worker can print its stacks: a worker still starting
+    # (importing torch on a loaded machine) would be ended by the signal instead.
+    ready = mp.get_context("spawn").Array("b", nprocs, lock=False)
+    context = mp.start_processes(_worker, args=(ready, fn, *args), nprocs=nprocs, join=False,
                                  start_method="spawn")
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() - start > timeout_s:
-                _terminate(context.processes)
+                _terminate(context.processes, ready)
                 return LaunchOutcome(False, f"timed out after {timeout_s:.0f} s (hung "
                                      "collective?); workers terminated",
                                      time.monotonic() - start)
@@ -126,13 +129,14 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
     return LaunchOutcome(True, None, time.monotonic() - start)
 
 
-def _worker(rank: int, fn: Callable, *args) -> None:
+def _worker(rank: int, ready, fn: Callable, *args) -> None:
     """A spawned worker: ``fn(rank, *args)``, then, if it returned, the end of the process
     without finalizing the interpreter (``commsched.workers.exit_worker``: a gloo thread
     may otherwise abort the finished process). Without commsched the worker exits as
     usual. ``DUMP_SIGNAL`` makes it print every thread's Python stack on stderr."""
     if DUMP_SIGNAL is not None:
         faulthandler.register(DUMP_SIGNAL, all_threads=True)
+    ready[rank] = 1
     fn(rank, *args)
     try:
         from commsched.workers import exit_worker
@@ -145,14 +149,22 @@ def _worker(rank: int, fn: Callable, *args) -> None:
 DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
-def _terminate(processes: Iterable) -> None:
+# How long a terminated worker that has not started yet is given to get there (and to be
+# able to print its stacks) before it is signalled anyway.
+START_GRACE_S = 60.0
+
+
+def _terminate(processes: Iterable, ready) -> None:
     """Terminate the workers still alive (``processes`` in rank order), each after it
     printed its threads' stacks."""
     alive = [(rank, p) for rank, p in enumerate(processes) if p.is_alive()]
     if DUMP_SIGNAL is not None:
         # One worker at a time: dumps written together would interleave on the shared
         # stderr. Each is written from the signal handler, at once.
+        deadline = time.monotonic() + START_GRACE_S
         for rank, p in alive:
+            while not ready[rank] and p.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
             print(f"[bench] rank {rank} (pid {p.pid}) is still running; its threads:",
                   file=sys.stderr, flush=True)
             os.kill(p.pid, DUMP_SIGNAL)

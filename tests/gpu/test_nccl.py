@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commsched
 import commsched.hooks
+from commsched.observer import Observer
 from commsched.telemetry import open_recorder
 from commsched.telemetry.store import rank_path
 from distributed import free_port
@@ -109,7 +110,7 @@ def _credit_returns_on_device_completion(rank, world, port):
     dist.destroy_process_group()
 
 
-class _Records:
+class _Records(Observer):
     def __init__(self):
         self.chunks = []
 

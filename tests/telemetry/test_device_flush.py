@@ -77,15 +77,22 @@ def test_records_wait_in_order_for_a_mark_the_device_reaches_later(tmp_path):
     for m in messages:
         writer.put(m)
 
-    def flushes():
-        time.sleep(0.3)
-        with sqlite3.connect(path) as conn:
-            return dict(conn.execute("SELECT iteration, t_flush_ns FROM iterations"))
+    def flushes(expected=None):
+        """The stored flushes, once they are ``expected`` (polled: the writer may get the
+        CPU late on a loaded machine), else after 0.3 s."""
+        deadline = time.monotonic() + (30 if expected is not None else 0.3)
+        while True:
+            time.sleep(0.05)
+            with sqlite3.connect(path) as conn:
+                got = dict(conn.execute("SELECT iteration, t_flush_ns FROM iterations"))
+            if got == expected or time.monotonic() > deadline:
+                return got
 
     # Iteration 1's record waits behind iteration 0's, whose mark is not reached yet.
     assert all(t is None for t in flushes().values())
     late[1].flush_mark.event.reached = True          # the writer sees it while polling
-    assert flushes() == {0: T0 + 40 * MS, 1: T0 + 120 * MS}
+    expected = {0: T0 + 40 * MS, 1: T0 + 120 * MS}
+    assert flushes(expected) == expected
     assert writer.close(timeout=30) and writer.failed is None
 
 

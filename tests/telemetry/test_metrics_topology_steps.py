@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 
 from commsched import Config, Scheduler
+from commsched.observer import Observer
 from commsched.telemetry.metrics import bus_factor
 from distributed import run_workers
 
@@ -16,7 +17,7 @@ def test_topology_steps_count_as_their_op_over_their_sub_group():
         assert bus_factor(op, 1) == 0.0          # a one-rank group moves nothing
 
 
-class _Records:
+class _Records(Observer):
     def __init__(self):
         self.records = []
 

@@ -159,7 +159,11 @@ def test_a_request_without_per_link_reads_the_sums():
 
 def test_periodic_samples_read_only_the_sums():
     s, q = run_sampler(two_gpu_backend(), period_s=0.05)
-    time.sleep(0.4)
+    # At least four samples (the start and three periodic ones) before stopping, however
+    # slowly the thread gets the CPU on a loaded machine.
+    deadline = time.monotonic() + 30
+    while q.qsize() < 8 and time.monotonic() < deadline:     # (status, health messages too)
+        time.sleep(0.05)
     s.stop()
     samples = [m for m in drain(q) if isinstance(m, CounterSample)]
     # the first (start) and last (stop) samples bound the run: every link; in between,
