@@ -6,6 +6,8 @@ chunks, orders them by priority under a credit window of bytes in flight, decomp
 collectives, and reports what ran to telemetry.
 """
 
+import importlib
+
 from .config import Config, ConfigError
 from .errors import CommschedError
 from .scheduler import Request, Scheduler, SchedulerError
@@ -23,10 +25,11 @@ def __getattr__(name):
         from . import overlap
 
         return getattr(overlap, name)
-    if name in ("hooks", "megatron_patches"):
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
+    # (import_module, not `from . import`: that asks this function for the name first)
+    if name == "hooks":
+        return importlib.import_module("commsched.hooks")
+    if name == "megatron_patches":
+        return importlib.import_module("commsched.megatron_patches")
     raise AttributeError(f"module 'commsched' has no attribute {name!r}")
 
 

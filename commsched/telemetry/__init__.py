@@ -29,18 +29,20 @@ from .nvtx_ranges import nvtx_range_pop, nvtx_range_push
 
 # The recorder and the store (sqlite3, NVML, numpy) load on first use: the scheduler and
 # the DDP hook import this package for its light modules alone.
-_LAZY = {"Recorder": "recorder", "close_with_scheduler": "recorder",
-         "open_rank_recorder": "recorder", "open_recorder": "recorder", "step": "recorder",
-         "RunData": "store", "load_run": "store"}
+_RECORDER = ("Recorder", "close_with_scheduler", "open_rank_recorder", "open_recorder", "step")
+_STORE = ("RunData", "load_run")
 
 
 def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+    if name in _RECORDER:
+        from . import recorder
 
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        return getattr(recorder, name)
+    if name in _STORE:
+        from . import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Recorder", "open_recorder", "open_rank_recorder", "close_with_scheduler", "step",
