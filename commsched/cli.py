@@ -33,11 +33,15 @@ def env_main(argv: List[str]) -> int:
     """Print every variable commsched reads, its value here, and whether it is valid."""
     import os
 
-    from .config import ENV_VARS, Config, ConfigError
+    from .config import ENV_VARS, Config, ConfigError, settings_table
 
     if argv in (["-h"], ["--help"]):
-        print("usage: commsched env\n\nList every COMMSCHED_* variable, its value here and "
-              "its meaning; exit 2 if a value is invalid.")
+        print("usage: commsched env [--markdown]\n\nList every COMMSCHED_* variable, its value "
+              "here and its meaning; exit 2 if a value is invalid.\n--markdown prints the "
+              "settings table of the README instead (defaults and meanings).")
+        return 0
+    if argv == ["--markdown"]:
+        sys.stdout.write(settings_table())
         return 0
     if argv:
         print(f"commsched env: error: unexpected arguments {argv}", file=sys.stderr)

@@ -12,20 +12,24 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Dict, Literal, Mapping, Optional, get_args
 
 from .errors import CommschedError
 
-__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES"]
+__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "field_docs",
+           "settings_table"]
 
 
 class ConfigError(CommschedError, ValueError):
     """A configuration value was rejected; the message names the variable or argument."""
 
 
-POLICIES = ("priority", "fifo")
-DECOMPOSITIONS = ("none", "rs_ag", "hier", "leader", "auto")
-DISPATCH_MODES = ("auto", "thread", "inline")
+Policy = Literal["priority", "fifo"]
+Decompose = Literal["none", "rs_ag", "hier", "leader", "auto"]
+Dispatch = Literal["auto", "thread", "inline"]
+POLICIES = get_args(Policy)
+DECOMPOSITIONS = get_args(Decompose)
+DISPATCH_MODES = get_args(Dispatch)
 
 _BYTE_UNITS = {
     "": 1,
@@ -62,202 +66,145 @@ def parse_bytes(text: str, name: str) -> int:
     return value
 
 
-def _env(var: str, help: str, minimum: int = 0, maximum: int = MAX_BYTES,
-         zero: str = "") -> dict:
-    """Field metadata. ``zero``, for a byte count: what 0 means where that is not
-    "unbounded"; ``inf`` is then refused rather than read as 0."""
-    return {"env": var, "help": help, "min": minimum, "max": maximum, "zero": zero}
+def _env(var: str, minimum: int = 0, maximum: int = MAX_BYTES, zero: str = "") -> dict:
+    """Field metadata: the variable, an int field's range, and, for a byte count, what 0
+    means where that is not "unbounded" (``inf`` is then refused rather than read as 0).
+    The field's description is its attribute docstring (see ``field_docs``)."""
+    return {"env": var, "min": minimum, "max": maximum, "zero": zero}
 
 
 @dataclass(frozen=True)
 class Config:
-    """Validated commsched settings. Construct directly, or with ``Config.from_env()``."""
+    """Validated commsched settings. Construct directly, or with ``Config.from_env()``.
 
-    enabled: bool = field(default=False, metadata=_env(
-        "COMMSCHED",
-        "Master switch, 0 or 1. With 0 (or unset) the launcher patches and registers nothing."))
-    """Master switch. Off means off: nothing is patched or registered (invariant 3)."""
+    Each field's attribute docstring is its one description: its first paragraph is the
+    help of ``commsched env`` and the README's settings table (``commsched env
+    --markdown``)."""
 
-    partition_bytes: int = field(default=0, metadata=_env(
-        "COMMSCHED_PARTITION_BYTES",
-        "Chunk size a request is cut into, in bytes (suffixes KiB/MiB/GiB accepted); a "
-        "remainder under 1/8 of it rides with the last chunk; 0 or inf (the default): "
-        "whole requests. The data-parallel mode cuts its layer groups' all-reduces only "
-        "under a credit window set in bytes (or autotune); rs_ag never cuts its "
-        "reduce-scatters and all-gathers."))
-    """Chunk size a request is partitioned into (a remainder under 1/8 of it is folded into
-    the last chunk, see partition.py); 0 means no partitioning.
+    enabled: bool = field(default=False, metadata=_env("COMMSCHED"))
+    """Master switch of the launcher, 0 or 1: with 0 (or unset) nothing is patched or
+    registered and training runs exactly as without commsched."""
 
-    Whole requests by default: every chunk is one more collective to issue, and a cut
-    changes no order unless a credit window holds chunks back for a more urgent request to
-    overtake. Partition only together with a credit window, on a link slow enough that
-    the overtaking pays (see README, "When partitioning and a credit window pay")."""
+    partition_bytes: int = field(default=0, metadata=_env("COMMSCHED_PARTITION_BYTES"))
+    """Chunk size requests are cut into (a remainder under 1/8 of it rides with the last
+    chunk); 0 or inf: whole requests. Cut only together with a credit window, on a link
+    slow enough for a later, more urgent chunk to overtake queued ones (README, "When
+    partitioning and a credit window pay").
 
-    credit_bytes: int = field(default=0, metadata=_env(
-        "COMMSCHED_CREDIT_BYTES",
-        "Credit window: most bytes in flight per process group; 0 or inf is unbounded."))
-    """Bytes allowed in flight per process group; 0 means unbounded. A chunk larger than
-    the whole window is admitted alone once nothing else is in flight.
+    Every chunk is one more collective to issue and a cut changes no order by itself. The
+    data-parallel mode cuts its layer groups' all-reduces only under a credit window set
+    in bytes (or autotune); rs_ag never cuts its reduce-scatters and all-gathers."""
 
-    Unbounded by default: credit returns through the completion thread, and on NVLink the
-    time from a chunk's end to the next dispatch (GIL hand-offs while the training thread
-    runs Python) exceeds a chunk's transfer time, so a bounded window starves the link
-    (GPT 405M, 2x H200: 4 MiB chunks / 16 MiB credit 94 ms vs 69 ms unbounded). Bound it
-    where priorities must overtake queued chunks on a slow network. The data-parallel
-    mode, unbounded here, gets a window of whole layer groups instead (``groups_in_flight``);
-    set here, this window applies to it too, in chunks of ``partition_bytes``."""
+    credit_bytes: int = field(default=0, metadata=_env("COMMSCHED_CREDIT_BYTES"))
+    """Credit window: most bytes in flight per process group; 0 or inf: unbounded. A
+    chunk larger than the window goes alone once nothing else is in flight.
+
+    A bounded window returns credit as collectives end on the device, through the lane's
+    completion thread: each chunk then costs a wake-up of that thread, and on a fast link
+    the window starves it. The data-parallel mode, where this is unbounded, gets a window
+    of whole layer groups instead (``groups_in_flight``)."""
 
     group_bytes: int = field(default=256 << 20, metadata=_env(
-        "COMMSCHED_GROUP_BYTES",
-        "Data-parallel mode (commsched.wrap): a layer group, the unit of communication and "
-        "of optimizer update, is closed at a module boundary once it holds this many bytes "
-        "of gradients (suffixes KiB/MiB/GiB accepted); 0: one group per module. "
-        "wrap(group_bytes=...) overrides it.", zero="one layer group per module"))
-    """Layer-group size of the data-parallel mode, in gradient bytes (0: one group per
-    parameter-owning module). Each group is one request per iteration, and a request costs
-    ~0.5 ms of Python spread over the autograd and dispatch threads (gradient hand-over,
-    submission, dispatch, completion), which contend for the GIL with backward's own hooks.
-    On a host-bound model that, not the link, sets how small groups can usefully be.
-    Measured on 2x H200 (GPT 405M, 1548 MiB of gradients, interleaved rounds in one
-    launch), ms/iteration for 25/64/128/256/512 MiB/1 GiB groups (38/20/11/6/3/2 groups):
-    NVLink 77.4/68.1/63.2/56.1 and, in a second launch, 57.6 (128 MiB)/49.8/51.8/55.1;
-    host path 79.4/75.7/73.7/74.2 and 74.4 (128 MiB)/73.6/75.9/77.8. Larger groups expose
-    more of the last group's communication, smaller ones pay more per-request work."""
+        "COMMSCHED_GROUP_BYTES", zero="one layer group per module"))
+    """Data-parallel mode (``commsched.wrap``): a layer group, the unit of communication
+    and of optimizer update, closes at a module boundary once it holds this many bytes of
+    gradients; 0: one group per module. ``wrap(group_bytes=...)`` overrides it.
+
+    Each group is one request per iteration: smaller groups overlap more but cost more
+    host time per iteration, larger ones expose more of the last group's communication."""
 
     groups_in_flight: int = field(default=2, metadata=_env(
-        "COMMSCHED_GROUPS_IN_FLIGHT",
-        "Data-parallel mode (commsched.wrap, decompose none) with COMMSCHED_CREDIT_BYTES "
-        "unbounded: at most this many layer groups' bytes in flight (a window of this many "
-        "times the largest group), so that the first layers' group, reduced last in "
-        "backward, overtakes the groups still queued and the next forward starts sooner; "
-        "0: unbounded. COMMSCHED_CREDIT_BYTES, when set, applies instead.",
-        maximum=1 << 20))
-    """Credit window of the data-parallel mode's all-reduces, in layer groups (0: unbounded),
-    where ``credit_bytes`` leaves the window unbounded and autotune is off; rs_ag leaves
-    its window unbounded. Each group goes as one collective.
+        "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20))
+    """Data-parallel mode, decompose none, with the credit window unbounded: at most this
+    many layer groups in flight, so that the first layers' group, reduced last in
+    backward, overtakes the queued ones; 0: unbounded.
 
-    Two, not one: with one group in flight the link idles from a group's end until the
-    completion thread has returned its credit and the next group is issued (GIL hand-offs
-    while the training thread runs the next forward). Measured on 2x H200 (GPT 405M, six
-    256 MiB groups; ms/iteration, interleaved rounds in one launch each): 1 / 2 groups /
-    unbounded, host path 70.1 / 69.8 / 73.5, NVLink 60.4 / 56.4 / 56.5; 2 groups /
-    unbounded, host path 72.3 / 74.4, NVLink 64.9 / 64.4; 1 group / unbounded in two more
-    launches, host path 67.2 / 72.7 and 75.8 / 74.4, NVLink 50.3 / 50.9 and 56.7 / 52.8."""
+    Two rather than one: with one group in flight the link idles while the completion
+    thread returns its credit and the next group is issued."""
 
-    policy: str = field(default="priority", metadata=_env(
-        "COMMSCHED_POLICY",
-        "Dispatch order: priority (layers the next forward needs first, from a profiled "
-        "plan) or fifo (gradient-readiness order)."))
-    """``priority``: dispatch by a plan built from a profile of readiness times and layer
-    priorities; ``fifo``: dispatch in submission order."""
+    policy: Policy = field(default="priority", metadata=_env("COMMSCHED_POLICY"))
+    """Dispatch order: priority (a plan built from a profiled iteration: what the next
+    forward needs first) or fifo (the order requests are submitted)."""
 
-    plan_forward: bool = field(default=True, metadata=_env(
-        "COMMSCHED_PLAN_FORWARD",
-        "0 or 1: data-parallel mode (commsched.wrap) with whole layer groups and policy "
-        "priority: 1 orders the groups so that the next forward ends soonest (a ready group "
-        "may wait for one the forward needs earlier); 0 uses the greedy priority replay, as "
-        "every other adapter does."))
-    """Plan objective of the data-parallel mode (see :mod:`commsched.plan`): the end of the
-    next forward, which consumes the layer groups in forward order, rather than the greedy
-    replay that sends the most urgent ready group whenever the window allows. The greedy
-    order commits a group as soon as it is ready, so the first layers' groups, ready last,
-    queue behind it and the next forward waits for the whole iteration's communication.
-    Measured on 2x H200 (GPT 405M, six 256 MiB groups, micro-batch 4, 3-4 interleaved
-    rounds per launch), ms/iteration with / without, one launch per pair: host path
-    65.5 / 67.7, 65.7 / 68.9, 65.5 / 70.2 and 64.4 / 69.1 (comm only 60.5-61.5); NVLink,
-    host-bound, 37.3 / 44.6, 49.2 / 50.7, 49.6 / 64.1 and 55.7 / 55.6. Micro-batch 16:
-    host path 94.8 / 97.0, NVLink 74.5 / 74.8."""
+    plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD"))
+    """Data-parallel mode with whole layer groups and policy priority, 0 or 1: 1 orders the
+    groups so that the next forward ends soonest (a ready group may wait for one the
+    forward needs earlier); 0 uses the greedy priority replay, as the other adapters do.
 
-    decompose: str = field(default="none", metadata=_env(
-        "COMMSCHED_DECOMPOSE",
-        "How an all-reduce chunk is run: none (one all-reduce), rs_ag (reduce-scatter then "
-        "all-gather), hier (intra-node reduce-scatter, inter-node all-reduce of each "
-        "shard, intra-node all-gather), leader (reduce to a node leader, all-reduce among "
-        "leaders, broadcast), auto (per chunk size, the fastest of none/hier/leader as timed "
-        "once at the first request; none on one node)."))
-    """Decomposition of all-reduce chunks: ``none``, ``rs_ag``, ``hier``, ``leader`` or
-    ``auto``. The topology-aware ones run on the default process group."""
+    See :mod:`commsched.plan` for the model the plan is built on."""
 
-    dispatch: str = field(default="auto", metadata=_env(
-        "COMMSCHED_DISPATCH",
-        "Which thread issues the collectives: inline (the thread that submits, e.g. "
-        "autograd's in backward; auto is the same), or thread (a dispatch thread per "
-        "process group: submit() records readiness and queues the request). thread is not "
-        "allowed with autotune."))
-    """``inline`` (and ``auto``, the default): the thread that submits issues what the order
-    allows, on its own stream: the request it submits, in the common case, as a plain
-    collective would be issued. ``thread``: a dispatch thread per lane issues instead, at a
-    GIL hand-off per request, competing with autograd for the GIL; not with ``autotune``,
-    which decides at submission with state the dispatch thread would change later, nor
-    with Megatron, which issues collectives of its own on the data-parallel group."""
+    decompose: Decompose = field(default="none", metadata=_env("COMMSCHED_DECOMPOSE"))
+    """How an all-reduce chunk runs: none (one all-reduce), rs_ag (reduce-scatter then
+    all-gather), hier (intra-node reduce-scatter, inter-node all-reduce of each shard,
+    intra-node all-gather), leader (reduce to a node leader, all-reduce among leaders,
+    broadcast), auto (per chunk size the fastest of none/hier/leader, timed once at the
+    first request; none on one node)."""
 
-    local_size: int = field(default=0, metadata=_env(
-        "COMMSCHED_LOCAL_SIZE",
-        "Ranks per node for hier/leader/auto; 0: the launcher's LOCAL_WORLD_SIZE (all ranks "
-        "one node when unset).", maximum=1 << 20))
-    """Ranks per node for the topology-aware decompositions; 0 takes LOCAL_WORLD_SIZE."""
+    dispatch: Dispatch = field(default="auto", metadata=_env("COMMSCHED_DISPATCH"))
+    """Which thread issues the collectives: inline (and auto) the thread that submits,
+    from its own stream, as a plain collective call would; thread a dispatch thread per
+    process group, at a GIL hand-off per request (not with autotune nor Megatron).
+
+    ``thread`` is refused with ``autotune``, which decides at submission with state the
+    dispatch thread would change later, and by the Megatron patches, since Megatron issues
+    collectives of its own on the data-parallel group."""
+
+    local_size: int = field(default=0, metadata=_env("COMMSCHED_LOCAL_SIZE",
+                                                     maximum=1 << 20))
+    """Ranks per node for hier, leader and auto; 0: the launcher's LOCAL_WORLD_SIZE (all
+    ranks one node when unset)."""
 
     profile_iters: int = field(default=2, metadata=_env(
-        "COMMSCHED_PROFILE_ITERS",
-        "Iterations run in fifo order (and profiled) before a priority plan is built; >= 1.",
-        minimum=1, maximum=100_000))
-    """Warm-up iterations, dispatched FIFO and profiled, before the first priority plan."""
+        "COMMSCHED_PROFILE_ITERS", minimum=1, maximum=100_000))
+    """Iterations with an unchanged request layout, run in fifo order and profiled, before
+    a priority plan is built; at least 1."""
 
-    timeout_s: int = field(default=0, metadata=_env(
-        "COMMSCHED_TIMEOUT_S",
-        "Seconds a collective may run without completing before the waiting ranks get an "
-        "error naming it; 0: the process group's own timeout.", maximum=30 * 24 * 3600))
-    """Hang detection: a chunk in flight this long without any completion is an error.
-    0 takes the process group's timeout (torch's default: 30 minutes)."""
+    timeout_s: int = field(default=0, metadata=_env("COMMSCHED_TIMEOUT_S",
+                                                    maximum=30 * 24 * 3600))
+    """Seconds a collective may run without completing before the waiting ranks get an
+    error naming it (chunk, op, bytes, group, iteration); 0: the process group's own
+    timeout."""
 
-    verify: bool = field(default=False, metadata=_env(
-        "COMMSCHED_VERIFY",
-        "0 or 1: cross-check every iteration's dispatch sequence across ranks (one small "
-        "collective per iteration) and report the first divergence."))
-    """Debug mode: compare a digest of each iteration's dispatch sequence across ranks."""
+    verify: bool = field(default=False, metadata=_env("COMMSCHED_VERIFY"))
+    """0 or 1: cross-check every iteration's dispatch sequence across ranks (one small
+    collective per iteration) and report the first divergence."""
 
-    autotune: bool = field(default=False, metadata=_env(
-        "COMMSCHED_AUTOTUNE",
-        "0 or 1: once a process group's request layout is stable, profile it, pick the "
-        "partition size, credit window (and none/rs_ag) on the simulator, run that for a "
-        "trial and keep it only if iterations got faster (commsched/autotune.py)."))
-    """Online tuning, one round per stable request layout: profile ``autotune_iters``
-    iterations, search with ``commsched.sim.tune``, try the choice, keep or revert. Every
-    switch is agreed in the collective sequence; it changes timing only, never results."""
+    autotune: bool = field(default=False, metadata=_env("COMMSCHED_AUTOTUNE"))
+    """0 or 1: once a process group's request layout is stable, profile it, pick the
+    partition size, credit window (and none/rs_ag) on the simulator, try that and keep it
+    only if iterations got faster. Changes timing only, never results.
+
+    One round per stable layout; every switch is agreed in the collective sequence. The
+    decisions are in ``Scheduler.tuning_log()`` and the telemetry table ``tuning``."""
 
     autotune_iters: int = field(default=5, metadata=_env(
-        "COMMSCHED_AUTOTUNE_ITERS",
-        "Iterations the autotuner profiles as its baseline and measures as its trial; >= 2.",
-        minimum=2, maximum=100_000))
-    """Length of the autotuner's baseline and trial windows, in lane iterations."""
+        "COMMSCHED_AUTOTUNE_ITERS", minimum=2, maximum=100_000))
+    """Iterations the autotuner profiles as its baseline and measures as its trial; at
+    least 2."""
 
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
-        "COMMSCHED_TELEMETRY_DIR",
-        "Directory for the telemetry store (SQLite) and exports; unset disables telemetry."))
-    """Run directory for telemetry; ``None`` disables telemetry."""
+        "COMMSCHED_TELEMETRY_DIR"))
+    """Directory for the telemetry store (SQLite, one file per rank) and its exports;
+    unset: no telemetry."""
 
-    nvtx: bool = field(default=False, metadata=_env(
-        "COMMSCHED_NVTX", "0 or 1: emit NVTX ranges around chunks and iterations."))
-    """Emit NVTX ranges (for Nsight Systems) around dispatched chunks and iterations."""
+    nvtx: bool = field(default=False, metadata=_env("COMMSCHED_NVTX"))
+    """0 or 1: NVTX ranges around dispatched chunks and iterations (Nsight Systems)."""
 
     telemetry_nvml_period_ms: int = field(default=100, metadata=_env(
-        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS",
-        "NVLink counter sampling period in ms (samples are also taken at iteration "
-        "boundaries); 0 turns NVML sampling off.", maximum=3_600_000))
-    """Period of the NVLink counter sampler thread, in ms; 0 disables NVML sampling."""
+        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS", maximum=3_600_000))
+    """NVLink counter sampling period in ms, in a background thread (samples are also
+    taken at iteration boundaries); 0: no NVML sampling."""
 
     telemetry_nvml_per_link: bool = field(default=True, metadata=_env(
-        "COMMSCHED_TELEMETRY_NVML_PER_LINK",
-        "1: read NVLink DATA counters per link in the samples at iteration boundaries "
-        "(~14 ms a read on 18 links; periodic samples read the sums, ~1.1 ms); 0: only "
-        "sums over links."))
-    """Read per-link counters at iteration boundaries (else only the sums over links)."""
+        "COMMSCHED_TELEMETRY_NVML_PER_LINK"))
+    """0 or 1: 1 reads the NVLink DATA counters link by link in the samples at iteration
+    boundaries (a read costs about ten times one of the sums over links, which the
+    periodic samples take); 0: sums over links only."""
 
     telemetry_max_bytes: int = field(default=0, metadata=_env(
-        "COMMSCHED_TELEMETRY_MAX_BYTES",
-        "Size cap of each rank's telemetry store; at the cap telemetry turns itself off "
-        "with one warning. 0 or inf: no cap."))
-    """Size cap of each rank's store in bytes; 0 means no cap."""
+        "COMMSCHED_TELEMETRY_MAX_BYTES"))
+    """Size cap of each rank's telemetry store; at the cap telemetry turns itself off with
+    one warning. 0 or inf: no cap."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -356,5 +303,54 @@ def _check_choice(name: str, value, choices) -> None:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(choices)}")
 
 
-ENV_VARS = {f.metadata["env"]: f.metadata["help"] for f in dataclasses.fields(Config)}
-"""Every environment variable commsched reads, with its one-line help (README table)."""
+def field_docs() -> Dict[str, str]:
+    """Each ``Config`` field's attribute docstring, read from this module's source (empty
+    where the source is not installed)."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(Config))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _summary(doc: str) -> str:
+    """A docstring's first paragraph on one line."""
+    return " ".join(doc.split("\n\n", 1)[0].split()).replace("``", "`")
+
+
+_DOCS = field_docs()
+ENV_VARS = {f.metadata["env"]: _summary(_DOCS.get(f.name, "")) for f in dataclasses.fields(Config)}
+"""Every environment variable commsched reads, with its description's first paragraph."""
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    value = f.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(int(value))
+    if f.name.endswith("_bytes") and value:
+        for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+    return str(value)
+
+
+def settings_table() -> str:
+    """The README's settings table, in markdown: variable, default, description."""
+    lines = ["| variable | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(Config):
+        lines.append(f"| `{f.metadata['env']}` | `{_shown_default(f)}` | "
+                     f"{_summary(_DOCS.get(f.name, ''))} |")
+    return "\n".join(lines) + "\n"

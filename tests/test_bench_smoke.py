@@ -2,7 +2,7 @@
 
 The harness and the micro-benchmark run end to end as subprocesses, in their quickest
 settings, and must write the documented JSON and print a markdown table last. Timings are
-not checked: CI timings are noise (see BENCHMARKS.md); speed is judged on the GPU machine.
+not checked: CI timings are noise (see benchmarks/README.md); speed is judged on the GPU machine.
 """
 
 from __future__ import annotations

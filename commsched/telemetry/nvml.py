@@ -1,13 +1,13 @@
 """NVML access for the NVLink sampler: a narrow backend interface, the real ``pynvml``
 backend, a deterministic fake for tests, and topology discovery.
 
-Facts this module relies on (measured, see DESIGN.md):
+Facts this module relies on (measured: docs/nvlink-counters.md):
 
 * NVLink traffic is read with ``nvmlDeviceGetFieldValues`` fields 138/139 (DATA TX/RX) and
   140/141 (RAW TX/RX, about 24% above DATA: protocol overhead), cumulative uint64 KiB.
 * The link is chosen by ``scopeId``; pynvml sets it only for ``(fieldId, scopeId)`` tuples. A
   bare field id silently reads link 0; ``scopeId = 0xFFFFFFFF`` reads the sum over links.
-* One query costs about 1.2 ms with aggregate fields and 13.5 ms with 36 per-link fields,
+* A query takes milliseconds, per-link ones about ten times as long as sums over links,
   which is why only the sampler thread ever calls into NVML.
 * Links to an NVSwitch report remote device type "switch" and remote PCI id FFFF...; only
   direct GPU-GPU links resolve to a peer GPU index.

@@ -237,7 +237,7 @@ def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, de
     ``device`` is the rank's CUDA device (index, ``"cuda:1"``, ``torch.device``; None: the
     current CUDA device if CUDA is available, else no GPU). ``nvml_period_ms`` is the NVLink
     sampling period (0 turns NVML sampling off); ``nvml_per_link`` samples DATA counters per
-    link (~13.5 ms per sample on 18 links) instead of only sums (~1.2 ms); ``max_db_bytes``
+    link (about ten times the cost of a sample of the sums) instead of only sums; ``max_db_bytes``
     caps the store (0: no cap; telemetry turns itself off with one warning when reached);
     ``nvml_backend`` replaces NVML (tests). Left as None, the three knobs come from the
     config fields ``telemetry_nvml_period_ms`` (100), ``telemetry_nvml_per_link`` (True) and

@@ -3,8 +3,8 @@
 Runs NCCL all-reduces of known sizes with the recorder and the NVLink sampler on, then
 compares each measurement window's DATA TX/RX bytes summed over links with the ring
 all-reduce payload of a rank, ``ops * 2 (n-1) / n * bytes``. Every window must be within
-``RATIO_TOLERANCE`` (the median and the worst window are reported). Measured on 2x H200
-(DESIGN.md): 256 MiB x10 moved 2,621,534 KiB against 2,621,440 KiB expected.
+``RATIO_TOLERANCE`` (the median and the worst window are reported); what it found on 2x
+H200 is in docs/nvlink-counters.md.
 
 Measurement protocol. NVML's cumulative NVLink counters lag the traffic: read right after
 ``torch.cuda.synchronize()`` they may miss the tail of a ~1 ms all-reduce, which then shows
@@ -23,7 +23,7 @@ window is bounded by quiescent boundaries; at each boundary every rank does::
 
 and each window runs ``ops_per_iter`` all-reduces (default: enough to move >= 1 GiB, at
 most 1024), so that whatever skew is left is small against the window. The settle polls
-use their own NVML handle (the sampler's query is per link and takes ~13.5 ms); the check
+use their own NVML handle (the sampler's per-link query is slow); the check
 opens the recorder with a long sampling period so that no periodic sample can land on a
 boundary, and stores its chunk and iteration records after the last boundary (their times
 place them in their windows), so that no sample the writer asks for does either.

@@ -21,6 +21,7 @@ import difflib
 import os
 import random
 import sys
+import typing
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -37,6 +38,7 @@ FORKED_SAMPLE = 40        # forked launcher children: ~0.1 s each
 SUBPROCESS_SAMPLE = 6     # real interpreters: ~3.5 s of CPU each (torch import)
 
 _FIELDS = {f.metadata["env"]: f for f in dataclasses.fields(Config)}
+_HINTS = typing.get_type_hints(Config)
 
 
 def kind_of(var: str) -> str:
@@ -52,7 +54,7 @@ def kind_of(var: str) -> str:
         return "float"
     if f.name.endswith(("_dir", "_path", "_file")):
         return "path"
-    if "str" in t:
+    if "str" in t or typing.get_origin(_HINTS[f.name]) is typing.Literal:
         return "choice"
     return "other"
 
