@@ -12,8 +12,8 @@ One iteration, for layer groups g0 (first layer) .. g3 (last layer):
   group's request completed: at step() if the request is already done, in the forward
   pre-hook of the first module that needs it, or in drain(). Updates that can run at the
   same point run as one optimizer step (at step(), zero_grad(), drain(), and the first
-  pre-hook of a forward): a step() call costs ~100-300 us of Python whatever its size, and
-  with ~100 layer groups per-group steps cost more CPU than the whole update of DDP.
+  pre-hook of a forward): a step() call costs a fixed amount of Python whatever its size,
+  and with many layer groups per-group steps cost more CPU than the whole update of DDP.
 
 The lane sends the groups in submission order for ``profile_iters`` iterations, then in
 the order of its plan (policy priority): with whole groups and ``plan_forward``, the order
@@ -118,9 +118,8 @@ class OverlapEngine:
         # Under a window of whole groups (``groups_in_flight``) the queued groups are, and
         # with no window at all a group's chunks would go one after the other as soon as
         # it is submitted, in the order the whole group would: cutting it changes no order
-        # and costs one more collective to issue per chunk (measured ~0.1-0.25 ms of host
-        # time each with NCCL). The layer group size (``group_bytes``) is then the
-        # collective size, as DDP's bucket size is.
+        # and costs one more collective to issue per chunk. The layer group size
+        # (``group_bytes``) is then the collective size, as DDP's bucket size is.
         lanes = config if scheduler is None else scheduler.config
         self.partition_bytes = None if lanes.credit_bytes or lanes.autotune else WHOLE
         self.buffer_group = None
@@ -424,7 +423,7 @@ class OverlapEngine:
 
         Updates are per parameter, so running them earlier, or several groups' in one
         step, gives the same values; what it saves is the optimizer's fixed cost per
-        step() call (~100-300 us of Python for AdamW), paid once instead of per group."""
+        step() call, paid once instead of per group."""
         req = g.request
         if req is not None and not req.done():
             # Blocks this thread: wait first, more groups are done after it.

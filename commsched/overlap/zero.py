@@ -210,8 +210,7 @@ class ZeroEngine(OverlapEngine):
 
         The first group goes alone, its all-gather (the one the forward waits for first)
         submitted right after its update; then every other group in one optimizer step:
-        the optimizer's fixed cost per call (~0.3-0.5 ms of Python for AdamW) is paid
-        twice, not once per group."""
+        the optimizer's fixed cost per call is paid twice, not once per group."""
         if not self._round:
             return
         for batch in (self.groups[:1], self.groups[1:]):
