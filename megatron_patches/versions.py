@@ -9,23 +9,33 @@ method the replacements stand in for, or call, still has the signature recorded 
 series. Anything else raises :class:`UnsupportedMegatronVersion` before a single attribute
 is touched.
 
-Adding a series means reading its ``param_and_grad_buffer.py``, recording the signatures
-below, and naming what changed in ``features`` (see ``bucket_group.py`` for what each
-feature switches on).
+A signature can stay while the body changes (0.19's ``start_grad_sync`` waits for the
+previous bucket group under the same signature as 0.16's), so each replaced method's body is
+pinned too: a digest of its source (:func:`source_hash`, blind to comments, blank lines,
+docstrings and line wrapping) per release read.
+
+Adding a series or a release means reading its ``param_and_grad_buffer.py``, recording the
+signatures and source digests below, and naming what changed in ``features`` (see
+``bucket_group.py`` for what each feature switches on).
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
 import importlib.metadata
 import inspect
+import io
 import re
+import textwrap
+import tokenize
 from typing import Dict, FrozenSet, NamedTuple, Optional, Tuple
 
 from commsched.errors import CommschedError
 
 __all__ = ["UnsupportedMegatronVersion", "MegatronSeries", "SUPPORTED", "megatron_version",
-           "check_supported", "signature_text"]
+           "check_supported", "signature_text", "source_hash", "REPLACED"]
 
 
 class UnsupportedMegatronVersion(CommschedError, RuntimeError):
@@ -47,6 +57,12 @@ class MegatronSeries(NamedTuple):
     quantized_param_check: Tuple[str, str]
     """(module, function) telling whether a parameter has FP8/FP4 storage, whose all-gather
     needs megatron's post-processing (then the original param sync runs)."""
+    sources: Dict[str, FrozenSet[str]]
+    """Method in ``REPLACED`` -> the :func:`source_hash` of its body in the releases the
+    replacements were written against (``releases``): a body that differs, in a release
+    of the same series, changes what the replacement must reproduce."""
+    releases: str
+    """The releases whose sources were read for ``sources``."""
 
 
 _COMMON_SIGNATURES = {
@@ -64,6 +80,11 @@ SUPPORTED: Tuple[MegatronSeries, ...] = (
         signatures=dict(_COMMON_SIGNATURES),
         features=frozenset(),
         quantized_param_check=("megatron.core.fp8_utils", "is_float8tensor"),
+        sources={"start_grad_sync": frozenset({"ddad053efe41e44e"}),
+                 "finish_grad_sync": frozenset({"bdc22096978cab08"}),
+                 "start_param_sync": frozenset({"3707793e80efe6de"}),
+                 "finish_param_sync": frozenset({"7b2a20f89821d031"})},
+        releases="0.16.0, 0.16.1",
     ),
     MegatronSeries(
         series="0.19",
@@ -72,6 +93,11 @@ SUPPORTED: Tuple[MegatronSeries, ...] = (
                             "cudagraph_wgrad_events"}),
         quantized_param_check=("megatron.core.distributed.param_and_grad_buffer",
                                "_param_uses_quantized_storage"),
+        sources={"start_grad_sync": frozenset({"e6e1edea97e84046"}),
+                 "finish_grad_sync": frozenset({"e55910bfe8fd880e"}),
+                 "start_param_sync": frozenset({"fed4d3afd96534ad"}),
+                 "finish_param_sync": frozenset({"4d09ddb24e5985d1"})},
+        releases="0.19.0, 0.19.1, 0.19.2 and the core_r0.19.0 branch",
     ),
 )
 """Supported megatron-core series, oldest first."""
@@ -94,6 +120,42 @@ def signature_text(function) -> str:
     sig = inspect.signature(function)
     params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
     return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+# The methods the replacements stand in for: their bodies, not only their signatures, must be
+# those of a release the replacements were written against.
+REPLACED = ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync")
+
+
+def source_hash(source: str) -> str:
+    """A digest of a function's source that ignores what does not change its behaviour:
+    comments, blank lines, line breaks inside brackets and the docstring. Computed from
+    tokens (indentation kept as block markers), so it is the same on every Python version."""
+    source = textwrap.dedent(source)
+    function = ast.parse(source).body[0]
+    first = function.body[0]
+    docstring = (range(first.lineno, first.end_lineno + 1)
+                 if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                 and isinstance(first.value.value, str) else range(0))
+    kept = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in _IGNORED or (tok.start[0] in docstring and tok.type not in _BLOCKS):
+            continue
+        kept.append(tok.string if tok.type not in _MARKERS else _MARKERS[tok.type])
+    return hashlib.sha256("\x1f".join(kept).encode()).hexdigest()[:16]
+
+
+_IGNORED = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)
+_BLOCKS = (tokenize.INDENT, tokenize.DEDENT)
+_MARKERS = {tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>",
+            tokenize.NEWLINE: "<newline>"}
+
+
+def _body_hash(function) -> Optional[str]:
+    try:
+        return source_hash(inspect.getsource(function))
+    except (OSError, TypeError, SyntaxError):
+        return None
 
 
 def _supported_list() -> str:
@@ -125,6 +187,13 @@ def check_supported(bucket_group_cls, version: Optional[str] = None) -> Megatron
         found = signature_text(function)
         if found != expected:
             problems.append(f"{name}{found} (expected {name}{expected})")
+        elif name in series.sources:
+            digest = _body_hash(function)
+            if digest not in series.sources[name]:
+                found_text = "source unavailable" if digest is None else f"source {digest}"
+                problems.append(
+                    f"the body of {name} is not that of megatron-core {series.releases}, "
+                    f"which the replacement reproduces ({found_text})")
     module, attr = series.quantized_param_check
     if not callable(getattr(importlib.import_module(module), attr, None)):
         problems.append(f"{module}.{attr} is missing")

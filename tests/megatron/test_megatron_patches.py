@@ -80,10 +80,43 @@ def test_a_changed_signature_is_refused_and_nothing_is_patched(monkeypatch):
     assert not mp.is_applied()
 
 
+def test_a_changed_body_under_the_same_signature_is_refused_naming_the_method(monkeypatch):
+    """0.19 changed start_grad_sync's body, not its signature: the body is pinned too."""
+    original = CLS.__dict__["start_grad_sync"]
+
+    def start_grad_sync(self, force_all_reduce=False):
+        return original(self, force_all_reduce)     # same signature, another body
+
+    monkeypatch.setattr(CLS, "start_grad_sync", start_grad_sync)
+    before = _methods()
+    with pytest.raises(mp.UnsupportedMegatronVersion,
+                       match=r"body of start_grad_sync is not that of megatron-core 0\.16"):
+        mp.apply(Config())
+    assert _same_functions(_methods(), before)
+    assert not mp.is_applied()
+
+
+def test_the_source_digest_ignores_comments_docstrings_and_wrapping_only():
+    plain = "def f(x):\n    if x:\n        y(1, 2)\n    z()\n"
+    noisy = ('def f(x):\n    """Doc."""\n    # a comment\n    if x:  # another\n'
+             '        y(1,\n          2)\n\n    z()\n')
+    moved = "def f(x):\n    if x:\n        y(1, 2)\n        z()\n"
+    assert versions.source_hash(plain) == versions.source_hash(noisy)
+    assert versions.source_hash(plain) != versions.source_hash(moved)
+
+
+def test_the_installed_release_matches_its_pinned_sources():
+    series = versions.check_supported(CLS)
+    for name in versions.REPLACED:
+        digest = versions.source_hash(inspect.getsource(CLS.__dict__[name]))
+        assert digest in series.sources[name], (name, digest)
+
+
 def test_supported_series_are_declared_as_data():
     assert [s.series for s in mp.SUPPORTED] == ["0.16", "0.19"]
     for series in mp.SUPPORTED:
         assert set(PATCHED_METHODS) <= set(series.signatures)
+        assert set(series.sources) == set(versions.REPLACED) and all(series.sources.values())
 
 
 # ---- apply / remove --------------------------------------------------------------------------
