@@ -10,7 +10,9 @@
 #
 # OVERLAP=1 adds the distributed optimizer with overlapped gradient reduce-scatters and
 # parameter all-gathers (--use-distributed-optimizer --overlap-grad-reduce
-# --overlap-param-gather); without it, gradients are all-reduced after the backward.
+# --overlap-param-gather); OVERLAP=grad overlaps the gradient all-reduces with the backward
+# (--overlap-grad-reduce); without either, gradients are all-reduced after the backward.
+# NUM_LAYERS, HIDDEN_SIZE, NUM_HEADS set the model (default 12, 768, 12).
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -34,9 +36,9 @@ DISTRIBUTED_ARGS=(
 )
 
 GPT_MODEL_ARGS=(
-    --num-layers 12
-    --hidden-size 768
-    --num-attention-heads 12
+    --num-layers ${NUM_LAYERS:-12}
+    --hidden-size ${HIDDEN_SIZE:-768}
+    --num-attention-heads ${NUM_HEADS:-12}
     --seq-length 1024
     --max-position-embeddings 1024
     --transformer-impl local
@@ -72,6 +74,8 @@ if [ "${OVERLAP:-0}" = "1" ]; then
         --overlap-grad-reduce
         --overlap-param-gather
     )
+elif [ "${OVERLAP:-0}" = "grad" ]; then
+    MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)
 fi
 
 DATA_ARGS=(

@@ -1,0 +1,264 @@
+"""Megatron-LM end to end: stock against the same launch script patched by `commsched
+patch-launch`, in one command (the protocol's comparison 7, rows 7a/7b).
+
+    python examples/bench/megatron_e2e.py --megatron /path/to/Megatron-LM --out megatron.json
+
+For each regime (``--regimes``), round (``--rounds``) and setting (``--settings``) it runs
+``examples/megatron/run_gpt.sh`` from the Megatron-LM checkout twice, stock and patched
+(``COMMSCHED=1``), one after the other, and reads each log's "elapsed time per iteration
+(ms)" and "lm loss" at every logged iteration. Settings:
+
+  no_overlap       gradients all-reduced after the backward
+  overlap_grad     --overlap-grad-reduce
+  distopt_overlap  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+
+Reported per regime and setting: the median over rounds of each run's mean time per logged
+iteration after ``--skip`` iterations (with the rounds' spread), patched / stock, and
+whether the losses were identical at every logged iteration of every round. The model is
+the protocol's GPT (24 layers x 1024, seq 1024, micro-batch 8; ``--layers``, ``--hidden``,
+``--micro-batch``). commsched is put on the workers' path from this checkout (no install
+needed). Output: JSON (``--out``), every run's log under ``--log-dir``, a table last.
+Exit status 1 when a run failed or its log had no iteration times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, NamedTuple, Optional
+
+import benchlib  # first: puts the checkout on sys.path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_SCRIPT = ROOT / "examples" / "megatron" / "run_gpt.sh"
+SETTINGS = {"no_overlap": "0", "overlap_grad": "grad", "distopt_overlap": "1"}
+# NCCL environment of each regime (None: unset); NVLink multicast stays off.
+REGIMES: Dict[str, Dict[str, Optional[str]]] = {
+    "nvlink": {"NCCL_P2P_DISABLE": None, "NCCL_SHM_DISABLE": None},
+    "host": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": None},
+    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
+_TIME = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9]+(?:\.[0-9]*)?)")
+_LOSS = re.compile(r"\blm loss:\s*([-+0-9.Ee]+)\s*\|")
+
+
+class MegatronLog(NamedTuple):
+    """The logged iterations of one Megatron-LM run, in order."""
+
+    iterations: List[int]
+    ms: List[float]          # elapsed time per iteration (ms), averaged over the interval
+    loss: List[float]        # lm loss at the iteration
+
+
+def parse_megatron_log(text: str) -> MegatronLog:
+    """Every training-log line of ``text`` with its iteration, time per iteration and lm
+    loss. Raises ValueError when no line has all three (a failed or unfamiliar run)."""
+    iterations, ms, loss = [], [], []
+    for line in text.splitlines():
+        it, time_ms, lm = _ITERATION.search(line), _TIME.search(line), _LOSS.search(line)
+        if it and time_ms and lm:
+            iterations.append(int(it.group(1)))
+            ms.append(float(time_ms.group(1)))
+            loss.append(float(lm.group(1)))
+    if not iterations:
+        raise ValueError("no Megatron-LM training log line with 'iteration N/M', 'elapsed "
+                         "time per iteration (ms)' and 'lm loss'")
+    return MegatronLog(iterations, ms, loss)
+
+
+def steady_ms(log: MegatronLog, skip: int) -> float:
+    """Mean time per iteration over the logged intervals that start after ``skip``
+    iterations (the first intervals include compilation and warm-up)."""
+    kept = [ms for it, ms, prev in zip(log.iterations, log.ms, [0] + log.iterations[:-1])
+            if prev >= skip]
+    if not kept:
+        raise ValueError(f"no logged interval after iteration {skip} (logged: "
+                         f"{log.iterations}); run more iterations or lower --skip")
+    return statistics.fmean(kept)
+
+
+def commsched_site(tmp: Path) -> Path:
+    """A directory holding the commsched package as installed (hooks/ and
+    megatron_patches/ inside it), for the workers' PYTHONPATH."""
+    site = tmp / "site"
+    shutil.copytree(ROOT / "commsched", site / "commsched",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("hooks", "megatron_patches"):
+        shutil.copytree(ROOT / folder, site / "commsched" / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
+             timeout_s: float) -> Dict[str, object]:
+    """One launch; its log, parsed (``error`` set when it failed)."""
+    try:
+        proc = subprocess.run(["bash", str(script)], cwd=megatron, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout_s)
+        text, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        text, rc = out.decode(errors="replace") if isinstance(out, bytes) else out, "timeout"
+    log_path.write_text(text)
+    result: Dict[str, object] = {"log": str(log_path), "rc": rc, "error": None}
+    try:
+        log = parse_megatron_log(text)
+        result.update(iterations=log.iterations, ms=log.ms, loss=log.loss)
+    except ValueError as exc:
+        result["error"] = f"rc {rc}: {exc}"
+    if rc != 0 and result["error"] is None:
+        result["error"] = f"exit status {rc}"
+    return result
+
+
+def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
+    """Per (regime, setting): stock and patched ms (median over rounds, min-max), the
+    ratio, and whether the losses matched in every round."""
+    out: Dict[str, object] = {}
+    for run in runs:
+        key = f"{run['regime']}/{run['setting']}"
+        row = out.setdefault(key, {"regime": run["regime"], "setting": run["setting"],
+                                   "stock_ms": [], "patched_ms": [], "losses_equal": True,
+                                   "errors": []})
+        stock, patched = run["stock"], run["patched"]
+        for name, result in (("stock", stock), ("patched", patched)):
+            if result["error"]:
+                row["errors"].append(f"{name} round {run['round']}: {result['error']}")
+            else:
+                try:
+                    row[f"{name}_ms"].append(steady_ms(MegatronLog(
+                        result["iterations"], result["ms"], result["loss"]), skip))
+                except ValueError as exc:
+                    row["errors"].append(f"{name} round {run['round']}: {exc}")
+        if stock["error"] or patched["error"] or stock.get("loss") != patched.get("loss"):
+            row["losses_equal"] = False
+    for row in out.values():
+        for name in ("stock", "patched"):
+            values = row[f"{name}_ms"]
+            row[f"{name}_median_ms"] = statistics.median(values) if values else None
+        if row["stock_median_ms"] and row["patched_median_ms"]:
+            row["ratio"] = row["patched_median_ms"] / row["stock_median_ms"]
+        else:
+            row["ratio"] = None
+    return out
+
+
+def table(summary: Dict[str, object]) -> str:
+    rows = []
+    for row in summary.values():
+        def cell(name):
+            values = row[f"{name}_ms"]
+            if not values:
+                return None
+            return (f"{row[f'{name}_median_ms']:.1f} ({min(values):.1f}-{max(values):.1f})")
+        rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
+                     f"{row['ratio']:.3f}" if row["ratio"] else None,
+                     "yes" if row["losses_equal"] else "NO",
+                     "; ".join(row["errors"])[:120] or None])
+    return benchlib.markdown_table(
+        ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
+         "losses equal", "note"], rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron", required=True, type=Path,
+                        help="root of a Megatron-LM checkout (pretrain_gpt.py, megatron/)")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--regimes", default="nvlink,host,sockets")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--train-iters", type=int, default=40)
+    parser.add_argument("--skip", type=int, default=10,
+                        help="iterations left out of the mean (default 10)")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="where each run's log goes (default: next to --out)")
+    parser.add_argument("--run-timeout", type=float, default=300.0,
+                        help="seconds one launch may take (default 300)")
+    parser.add_argument("--out", type=Path, default=Path("megatron_e2e.json"))
+    args = parser.parse_args(argv)
+    for name, choices in (("settings", SETTINGS), ("regimes", REGIMES)):
+        for value in getattr(args, name).split(","):
+            if value not in choices:
+                parser.error(f"--{name}: {value!r} is not one of {', '.join(choices)}")
+    if not (args.megatron / "pretrain_gpt.py").is_file():
+        parser.error(f"--megatron {args.megatron}: no pretrain_gpt.py there")
+    if args.rounds < 1 or args.train_iters <= args.skip:
+        parser.error("--rounds must be >= 1 and --train-iters larger than --skip")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT / "megatron_patches"))
+    from launch_script import patch_script
+
+    log_dir = args.log_dir or args.out.with_suffix("").with_name(args.out.stem + "_logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: List[Dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="commsched-megatron-") as tmp:
+        tmp_path = Path(tmp)
+        stock_script = tmp_path / "run_gpt.sh"
+        shutil.copy(LAUNCH_SCRIPT, stock_script)
+        patched_script = tmp_path / "run_gpt_commsched.sh"
+        patched_script.write_text(patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "1"}))
+        site = commsched_site(tmp_path)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
+        base.update(NCCL_NVLS_ENABLE="0", TRAIN_ITERS=str(args.train_iters),
+                    MICRO_BATCH_SIZE=str(args.micro_batch), GPUS_PER_NODE=str(args.gpus),
+                    NUM_LAYERS=str(args.layers), HIDDEN_SIZE=str(args.hidden),
+                    NUM_HEADS=str(args.heads),
+                    # the torchrun of the Python running this script
+                    PATH=os.pathsep.join([os.path.dirname(sys.executable),
+                                          base.get("PATH", "")]),
+                    PYTHONPATH=os.pathsep.join(
+                        [str(site), str(args.megatron), base.get("PYTHONPATH", "")]))
+        for regime in args.regimes.split(","):
+            for round_ in range(1, args.rounds + 1):
+                for setting in args.settings.split(","):
+                    env = dict(base, OVERLAP=SETTINGS[setting])
+                    for name, value in REGIMES[regime].items():
+                        if value is None:
+                            env.pop(name, None)
+                        else:
+                            env[name] = value
+                    run = {"regime": regime, "setting": setting, "round": round_}
+                    for variant, script in (("stock", stock_script),
+                                            ("patched", patched_script)):
+                        log_path = log_dir / f"{regime}_{setting}_r{round_}_{variant}.log"
+                        env["MASTER_PORT"] = str(benchlib.free_port())
+                        print(f"[megatron] {regime} {setting} round {round_}: {variant}",
+                              flush=True)
+                        run[variant] = run_once(script, args.megatron, env, log_path,
+                                                args.run_timeout)
+                    runs.append(run)
+    summary = summarize(runs, args.skip)
+    document = {"schema": "commsched.bench.megatron_e2e/1", "created_utc": benchlib.utc_now(),
+                "command": [sys.executable, *sys.argv], "settings": {
+                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "system": benchlib.system_info(), "env": benchlib.relevant_env(),
+                "runs": runs, "summary": summary}
+    benchlib.write_json(args.out, document)
+    print(f"[megatron] wrote {args.out}", flush=True)
+    print("", flush=True)
+    print(table(summary), flush=True)
+    failed = any(row["errors"] for row in summary.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The Megatron-LM end-to-end benchmark (examples/bench/megatron_e2e.py) reads times and
+losses from Megatron-LM's own training log: a log excerpt in the format of core_r0.19.0's
+training_log, and logs that lack them."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "bench"))
+import megatron_e2e  # noqa: E402  (the path above)
+
+LOG = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "pretrain_gpt_2gpu.log")
+
+
+def test_the_log_excerpt_gives_every_logged_iteration_with_its_time_and_loss():
+    log = megatron_e2e.parse_megatron_log(open(LOG).read())
+    assert log.iterations == [10, 20, 30, 40]
+    assert log.ms == [561.3, 222.9, 222.0, 222.7]
+    assert log.loss == [10.36194, 9.102354, 7.986112, 7.610548]
+
+
+def test_the_steady_time_leaves_out_the_intervals_of_the_first_iterations():
+    log = megatron_e2e.parse_megatron_log(open(LOG).read())
+    assert megatron_e2e.steady_ms(log, skip=10) == pytest.approx((222.9 + 222.0 + 222.7) / 3)
+    assert megatron_e2e.steady_ms(log, skip=0) == pytest.approx(sum(log.ms) / 4)
+    with pytest.raises(ValueError, match="no logged interval after iteration 40"):
+        megatron_e2e.steady_ms(log, skip=40)
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    # a run that died before training: no iteration line at all
+    "> building NullTokenizer tokenizer ...\nTraceback (most recent call last):\n"
+    "RuntimeError: CUDA error: out of memory\n",
+    # an iteration line without the loss (e.g. a pipeline stage that does not log it)
+    " [2026-11-27 10:41:09.702115] iteration       10/      40 | consumed samples:"
+    "          160 | elapsed time per iteration (ms): 561.3 | global batch size:    16 |\n",
+])
+def test_a_log_without_times_and_losses_is_an_error(text):
+    with pytest.raises(ValueError, match="elapsed time per iteration"):
+        megatron_e2e.parse_megatron_log(text)
+
+
+def test_losses_that_differ_are_reported(tmp_path):
+    log = megatron_e2e.parse_megatron_log(open(LOG).read())
+    good = {"error": None, "iterations": log.iterations, "ms": log.ms, "loss": log.loss}
+    off = dict(good, loss=log.loss[:-1] + [log.loss[-1] + 1e-6])
+    runs = [{"regime": "nvlink", "setting": "no_overlap", "round": 1, "stock": good,
+             "patched": good},
+            {"regime": "nvlink", "setting": "distopt_overlap", "round": 1, "stock": good,
+             "patched": off}]
+    summary = megatron_e2e.summarize(runs, skip=10)
+    assert summary["nvlink/no_overlap"]["losses_equal"]
+    assert summary["nvlink/no_overlap"]["ratio"] == pytest.approx(1.0)
+    assert not summary["nvlink/distopt_overlap"]["losses_equal"]
+    assert "losses equal" in megatron_e2e.table(summary)
+
+
+def test_stock_and_patched_launches_run_and_are_tabled(tmp_path):
+    """The whole loop on CPU, with a stand-in for pretrain_gpt.py under torchrun (2 ranks):
+    the patched launch script starts it under commsched.run, the stock one does not."""
+    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
+    out = tmp_path / "megatron.json"
+    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
+                              "no_overlap", "--rounds", "1", "--train-iters", "30",
+                              "--skip", "10", "--run-timeout", "240", "--out", str(out)])
+    assert code == 0
+    import json
+    doc = json.loads(out.read_text())
+    row = doc["summary"]["nvlink/no_overlap"]
+    assert row["losses_equal"] and row["errors"] == []
+    assert row["stock_median_ms"] == pytest.approx((220.0 + 230.0) / 2)
+    assert row["ratio"] == pytest.approx(1.0)
+    run = doc["runs"][0]
+    assert "under_commsched=False" in open(run["stock"]["log"]).read()
+    assert "under_commsched=True" in open(run["patched"]["log"]).read()
