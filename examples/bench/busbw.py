@@ -31,10 +31,11 @@ sampling). The ``--iters`` timed messages of a size are one scheduler iteration:
 ``submit`` calls back to back, ``end_iteration``, then ``wait`` for each (so, as in
 nccl-tests, operations queue behind each other instead of each waiting for the last).
 
-Per size: ``--warmup`` untimed operations, then ``--iters`` back to back between device
-synchronizations, in place on a float32 buffer of zeros (the contents do not change a
-collective's speed, and zeros summed in place cannot overflow). Time per operation is the
-total over ``--iters``, averaged over ranks as nccl-tests does. Columns as nccl-tests:
+Per size: ``--warmup`` untimed operations, then ``--repeats`` windows (default 1) of
+``--iters`` back to back between device synchronizations, in place on a float32 buffer of
+zeros (the contents do not change a collective's speed, and zeros summed in place cannot
+overflow). Time per operation is the median window's total over ``--iters``, averaged over
+ranks as nccl-tests does. Columns as nccl-tests:
 algbw = size / time, busbw = algbw * 2(n-1)/n (printed with 2 decimals, and 3 significant
 digits below 1 GB/s; the JSON has every digit). Then ``#wrong``: one more operation on an
 input of small rank-dependent integers (exact sums in float32) is compared element by
@@ -67,6 +68,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -283,6 +285,7 @@ class LaunchSpec:
     sizes: Tuple[int, ...]
     warmup: int
     iters: int
+    repeats: int
     variants: Tuple[str, ...]
     telemetry_root: Optional[str]
     base_config: Any                 # commsched.Config, parsed once in the parent
@@ -318,10 +321,16 @@ class Worker:
         self.sync()
         first = op.iterations()
         tx_before = self.links.read()
-        start = time.perf_counter()
-        op(buffer, spec.iters)
-        self.sync()
-        seconds = (time.perf_counter() - start) / spec.iters
+        repeats = []
+        for _ in range(spec.repeats):
+            start = time.perf_counter()
+            op(buffer, spec.iters)
+            self.sync()
+            repeats.append((time.perf_counter() - start) / spec.iters)
+            benchlib.barrier(spec.backend)
+            self.sync()
+        # (the median window: one slow window, a hiccup of the machine, does not move it)
+        seconds = statistics.median(repeats)
         tx_after = self.links.read()
         last = op.iterations()
         del buffer
@@ -339,7 +348,7 @@ class Worker:
         dist.all_reduce(total)
         # NVLink bytes per operation, mean over ranks (-1: not measured on some rank).
         sent = -1.0 if tx_before is None or tx_after is None else (
-            (tx_after - tx_before) / spec.iters)
+            (tx_after - tx_before) / (spec.iters * spec.repeats))
         links = torch.tensor([sent, sent], dtype=torch.float64, device=self.device)
         dist.all_reduce(links)
         measured = torch.tensor([float(sent < 0)], dtype=torch.float64, device=self.device)
@@ -352,6 +361,7 @@ class Worker:
         return {
             "variant": name, "size": nbytes, "count": count, "type": "float",
             "redop": "sum", "time_us": seconds_mean * 1e6,
+            "time_us_windows_rank0": [t * 1e6 for t in repeats] if self.rank == 0 else None,
             "time_us_max_rank": slowest[0].item() * 1e6,
             "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(world),
             "wrong": int(total[1].item()),
@@ -515,6 +525,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="size multiplier between messages (default 4)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed ops per size (5)")
     parser.add_argument("--iters", type=int, default=20, help="timed ops per size (20)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed windows of --iters ops per size; the median window "
+                             "counts (default 1; 5 or more for numbers to compare)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help=f"comma-separated subset of {','.join(VARIANTS)} or all "
                              f"(default {DEFAULT_VARIANTS})")
@@ -549,6 +562,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--warmup {args.warmup}: must be >= 0")
     if args.iters < 1:
         parser.error(f"--iters {args.iters}: must be >= 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: must be >= 1")
     if args.timeout <= 0 or args.collective_timeout <= 0:
         parser.error("--timeout and --collective-timeout must be > 0")
     names = list(VARIANTS) if args.variants.strip() == "all" else [
@@ -601,10 +616,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             "dtype": "float32", "redop": "sum", "in_place": True,
             "min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor,
             "sizes": list(args.sizes), "warmup": args.warmup, "iters": args.iters,
+            "repeats": args.repeats,
             "variants": list(args.variants), "telemetry_root": args.telemetry_root,
             "timeout_s": args.timeout, "collective_timeout_s": args.collective_timeout,
-            "time_definition": "per op: timed total / iters, mean over ranks (slowest rank: "
-                               "time_us_max_rank)",
+            "time_definition": "per op: the median window's timed total / iters, mean "
+                               "over ranks (slowest rank: time_us_max_rank)",
             "bus_factor": bus_factor(args.world_size),
         },
         "parent_env": benchlib.relevant_env(),
@@ -615,7 +631,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="commsched-busbw-") as tmp:
         spec = LaunchSpec(args.world_size, args.local_size, args.regime, backend, args.sizes,
-                          args.warmup, args.iters, args.variants, args.telemetry_root,
+                          args.warmup, args.iters, args.repeats, args.variants,
+                          args.telemetry_root,
                           args.base_config, benchlib.free_port(),
                           min(args.collective_timeout, args.timeout), str(Path(tmp) / "w.json"))
         print(f"[busbw] spawning {args.world_size} workers ({backend}), regime "
