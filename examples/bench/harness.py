@@ -474,8 +474,14 @@ class Bench:
         probe = (PhaseProbe(window)
                  if self.cuda and os.environ.get("BENCH_PHASES") == "1" else None)
         marks = StepMarks(window, self.cuda)
+        # The training thread's CPU while it waits for the device in synchronize(), which
+        # spins: left out of the CPU figures, which would otherwise equal the wall time of
+        # every step and never show whether the host or the device sets the pace.
+        waiting = 0.0
         for _ in range(self.iters):
+            wait0 = time.thread_time()
             self.sync()
+            waiting += time.thread_time() - wait0
             if probe is not None:
                 probe.begin_window()
                 self.probe = probe
@@ -483,16 +489,20 @@ class Bench:
             for k in range(window):
                 marks.mark(k)
                 step()
+            wait0 = time.thread_time()
             self.sync()
+            waiting += time.thread_time() - wait0
             times.append((time.perf_counter() - start) * 1e3 / window)
             marks.end_window()
             self.probe = None
             if probe is not None:
                 probe.end_window()
-        # CPU per iteration, all threads and the training thread alone: where a mode's extra
-        # time goes when the GPU is not the bottleneck.
-        self.cpu_ms = ((time.process_time() - cpu0) * 1e3 / (self.iters * window),
-                       (time.thread_time() - main0) * 1e3 / (self.iters * window))
+        # CPU per iteration, all threads and the training thread alone (less its waits for
+        # the device, above): where a mode's extra time goes when the GPU is not the
+        # bottleneck.
+        steps = self.iters * window
+        self.cpu_ms = ((time.process_time() - cpu0 - waiting) * 1e3 / steps,
+                       (time.thread_time() - main0 - waiting) * 1e3 / steps)
         self.steady_ms = marks.intervals_ms
         if os.environ.get("BENCH_PRINT_CPU") and dist.get_rank() == 0:
             print(f"[bench] cpu ms/iter: process {self.cpu_ms[0]:.1f}, training thread "
