@@ -151,3 +151,19 @@ def test_bad_arguments_are_reported_naming_the_flag(argv, flag, capsys):
         busbw.parse_args(argv)
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_repeats_time_several_windows_and_keep_the_median(tmp_path):
+    out = tmp_path / "busbw.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "busbw.py"), "--world-size", "2", "--min-bytes", "128",
+         "--max-bytes", "512", "--warmup", "1", "--iters", "2", "--repeats", "3",
+         "--variants", "nccl,none", "--cpu", "--timeout", "100", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    document = json.loads(out.read_text())
+    assert document["settings"]["repeats"] == 3
+    for row in document["rows"]:
+        windows = row["time_us_windows_rank0"]
+        assert len(windows) == 3 and all(is_positive(w) for w in windows), row
+        assert row["wrong"] == 0
