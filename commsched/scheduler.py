@@ -460,19 +460,12 @@ class _Lane:
             if (pos >= len(plan.order) or plan.order[pos] != (req.key, 0)
                     or plan.layout.get(req.key) != 1):
                 return False
-        req.iteration = it.index
-        it.requests.append(req)
-        it.by_key[req.key] = req
-        self.outstanding[id(req)] = req
+        self._take_in(req)
         if plan is None:
             it.req_pos += 1                   # (what _peek would find: req fully issued)
         else:
             it.plan_pos += 1
-        self.in_flight_bytes += chunk.nbytes
-        self.chunks_dispatched += 1
-        self.bytes_dispatched += chunk.nbytes
-        if self.in_flight_bytes > self.peak_in_flight_bytes:
-            self.peak_in_flight_bytes = self.in_flight_bytes
+        self._admit(chunk)
         if self.batched:
             self._issue_direct(req, chunk)
         else:
@@ -737,11 +730,7 @@ class _Lane:
                     it.plan_pos += 1
                 else:
                     it.chunk_pos += 1
-                self.in_flight_bytes += chunk.nbytes
-                self.chunks_dispatched += 1
-                self.bytes_dispatched += chunk.nbytes
-                if self.in_flight_bytes > self.peak_in_flight_bytes:
-                    self.peak_in_flight_bytes = self.in_flight_bytes
+                self._admit(chunk)
                 self.cur_chunk, self.cur_step = chunk, 0
             step = self.cur_step
             if step and not self.stream_ordered and chunk.steps_done < step:
@@ -751,6 +740,14 @@ class _Lane:
             self.cur_step = step + 1
             if self.cur_step == len(chunk.request.steps):
                 self.cur_chunk = None
+
+    def _admit(self, chunk: Chunk) -> None:
+        """``chunk`` takes its credit and is counted as dispatched (lock held)."""
+        self.in_flight_bytes += chunk.nbytes
+        self.chunks_dispatched += 1
+        self.bytes_dispatched += chunk.nbytes
+        if self.in_flight_bytes > self.peak_in_flight_bytes:
+            self.peak_in_flight_bytes = self.in_flight_bytes
 
     def _peek(self, it: _Iteration):
         plan = it.plan

@@ -214,9 +214,9 @@ def _steps(model, opt, rank, steps):
         opt.zero_grad()
 
 
-def _train(config, kwargs, rank, steps=6):
+def _train(config, kwargs, rank, steps=6, net=None):
     torch.manual_seed(0)
-    ddp = DDP(Net().cuda(), device_ids=[rank], **kwargs)
+    ddp = DDP((net or Net)().cuda(), device_ids=[rank], **kwargs)
     if config is not None:
         commsched.hooks.register(ddp, config)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -286,16 +286,6 @@ class SlowBackward(Net):
         return x
 
 
-def _train_slow(config, rank, steps=4):
-    torch.manual_seed(0)
-    ddp = DDP(SlowBackward().cuda(), device_ids=[rank], bucket_cap_mb=1)
-    if config is not None:
-        commsched.hooks.register(ddp, config)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    _steps(ddp, opt, rank, steps)
-    return [p.detach().clone() for p in ddp.parameters()]
-
-
 def _delayed_producers_vs_stock_ddp(rank, world, port):
     """The stream-order race the hot path must not have: the hook issues a bucket's
     collective as soon as autograd's thread hands it over, while the device is still
@@ -304,12 +294,12 @@ def _delayed_producers_vs_stock_ddp(rank, world, port):
     apply stale values. Issued at submission (default), held back by a plan and a credit
     window (the launch stream, after the ready event), and from a dispatch thread."""
     _init(rank, world, port)
-    ref = _train_slow(None, rank)
+    ref = _train(None, dict(bucket_cap_mb=1), rank, steps=4, net=SlowBackward)
     for config in (commsched.Config(),
                    commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10,
                                     profile_iters=1),
                    commsched.Config(dispatch="thread")):
-        got = _train_slow(config, rank)
+        got = _train(config, dict(bucket_cap_mb=1), rank, steps=4, net=SlowBackward)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (config, (a - b).abs().max().item())
     dist.destroy_process_group()
