@@ -130,7 +130,8 @@ REPLACED = ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_p
 def source_hash(source: str) -> str:
     """A digest of a function's source that ignores what does not change its behaviour:
     comments, blank lines, line breaks inside brackets and the docstring. Computed from
-    tokens (indentation kept as block markers), so it is the same on every Python version."""
+    tokens (indentation kept as block markers, an f-string one token as before Python
+    3.12), so it is the same on every Python version."""
     source = textwrap.dedent(source)
     function = ast.parse(source).body[0]
     first = function.body[0]
@@ -138,11 +139,44 @@ def source_hash(source: str) -> str:
                  if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
                  and isinstance(first.value.value, str) else range(0))
     kept = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    for tok in _tokens(source):
         if tok.type in _IGNORED or (tok.start[0] in docstring and tok.type not in _BLOCKS):
             continue
         kept.append(tok.string if tok.type not in _MARKERS else _MARKERS[tok.type])
     return hashlib.sha256("\x1f".join(kept).encode()).hexdigest()[:16]
+
+
+def _tokens(source: str):
+    """``source``'s tokens, an f-string as one STRING token of its source text on every
+    Python (3.12 and later split it into FSTRING_START, its parts and FSTRING_END)."""
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    lines = source.splitlines(keepends=True)
+    depth, first = 0, None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if fstring_start is not None and tok.type == fstring_start:
+            depth += 1
+            if depth == 1:
+                first = tok
+            continue
+        if depth:
+            if tok.type == fstring_end:
+                depth -= 1
+                if depth == 0:
+                    yield tokenize.TokenInfo(tokenize.STRING,
+                                             _text(lines, first.start, tok.end),
+                                             first.start, tok.end, first.line)
+            continue
+        yield tok
+
+
+def _text(lines, start, end) -> str:
+    """The source text from ``start`` to ``end`` (tokenize's (row, column) positions)."""
+    (row0, col0), (row1, col1) = start, end
+    if row0 == row1:
+        return lines[row0 - 1][col0:col1]
+    return (lines[row0 - 1][col0:] + "".join(lines[row0:row1 - 1])
+            + lines[row1 - 1][:col1])
 
 
 _IGNORED = (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER)

@@ -105,6 +105,22 @@ def test_the_source_digest_ignores_comments_docstrings_and_wrapping_only():
     assert versions.source_hash(plain) != versions.source_hash(moved)
 
 
+# f-strings: one token up to Python 3.11, split into parts from 3.12 on (PEP 701).
+FSTRINGS = ('def f(self, i):\n'
+            '    raise ValueError(f"bucket #{i} of {self.name!r:>{8}} "\n'
+            '                     f"{self.ddp_config.use_distributed_optimizer=}"\n'
+            '                     f\'\'\'{f"{i:02d}"} spans\n  lines\'\'\', x=f"")\n')
+# Computed by this function on Python 3.11.7, 3.12.1 and 3.13.0.
+FSTRINGS_DIGEST = "168e7faa539467c3"
+
+
+def test_the_source_digest_of_f_strings_is_the_same_on_every_python():
+    assert versions.source_hash(FSTRINGS) == FSTRINGS_DIGEST
+    unwrapped = FSTRINGS.replace('"\n                     f', '" f')
+    assert versions.source_hash(unwrapped) == FSTRINGS_DIGEST
+    assert versions.source_hash(FSTRINGS.replace("#{i}", "#{i+1}")) != FSTRINGS_DIGEST
+
+
 def test_the_installed_release_matches_its_pinned_sources():
     series = versions.check_supported(CLS)
     for name in versions.REPLACED:
