@@ -124,7 +124,9 @@ class Config:
 
     policy: Policy = field(default="priority", metadata=_env("COMMSCHED_POLICY"))
     """Dispatch order: priority (a plan built from a profiled iteration: what the next
-    forward needs first) or fifo (the order requests are submitted)."""
+    forward needs first, where the link is measured to be busy; steps are timed only with
+    telemetry, the tuner or a credit window, otherwise the plan is the order of readiness)
+    or fifo (the order requests are submitted)."""
 
     plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD"))
     """Data-parallel mode with whole layer groups and policy priority, 0 or 1: 1 orders the

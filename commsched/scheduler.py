@@ -52,10 +52,16 @@ Completion hand-off. Waking the completion thread costs a GIL hand-off each way,
 issuing a collective, so it is woken only for what somebody waits on: a step whose credit,
 gloo future or gloo next step is needed, or whose padded copy should be freed ("urgent"),
 the end of a dispatched iteration, ``drain()``, or ``LAZY_ITEMS`` unfinished steps. On CUDA
-with an unbounded credit window nothing is urgent: an iteration's steps are completed in one
-batch, by one wait on an event recorded after the newest step of each group (NCCL runs a
-group's collectives in issue order). With telemetry (or the tuner) on, each step gets
-timing events, mapped onto the host clock when the batch completes.
+with an unbounded credit window (and no tuner) nothing is urgent and it is not woken at all
+in steady state (``polled``): an iteration's untimed steps go into one batch, sealed at the
+end of the iteration by one event recorded after the newest step of each group (NCCL runs a
+group's collectives in issue order), and the caller's next ``end_iteration`` completes what
+those events say the device finished (a query each, no wait). A thread woken as the device
+finishes would take the GIL when the training thread is busiest, at the start of the next
+step. The watchdog hands the completion thread whatever stays in flight longer than its
+period (a caller that stopped ending iterations). Every end event is timed: a step or
+batch completed after it finished gets its host-clock end from its event. With telemetry
+(or the tuner) on, each step gets timing events of its own.
 
 Dispatch thread (``Config.dispatch="thread"``, off by default): ``submit`` records the ready
 event and queues the request, and a thread per lane issues it. It costs a GIL hand-off per
@@ -101,6 +107,7 @@ _ALL_REDUCE = steps_for("all_reduce", "none")
 # Unfinished chunks that may wait for their completion before the completion thread is
 # woken for them anyway (bounds the events and staging buffers they hold).
 LAZY_ITEMS = 64
+POLLED_ITEMS = 4 * LAZY_ITEMS
 
 
 class SchedulerError(CommschedError, RuntimeError):
@@ -123,7 +130,7 @@ class Request:
         "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration",
         "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
-        "cross_group", "issue_seq", "waited",
+        "cross_group", "issue_seq", "waited", "at_once",
     )
 
     def __init__(self, key: Hashable, tensor: torch.Tensor, op: str, lane: "_Lane",
@@ -159,6 +166,7 @@ class Request:
         self.done_event = None
         self.issue_seq = None
         self.waited = False           # CPU: somebody waits for the future (see _urgent)
+        self.at_once = False          # CUDA: every step issued from the submitter's stream
 
     @property
     def future(self) -> torch.futures.Future:
@@ -192,6 +200,16 @@ class Request:
         elif self.done_work is not None:
             self.done_work.wait()
         return tensor
+
+    def issued_work(self):
+        """CUDA: the work of the collective that completes this request, where it was
+        issued from the submitter's stream when submitted (the hot path) and nothing
+        follows it (a padded chunk's copy back); else None. Its ``get_future()`` is a CUDA
+        future that orders a waiting stream after the request on the device."""
+        if (self.outcome is not True or self.done_event is not None
+                or not self.at_once or self.done_work is None):
+            return None
+        return self.done_work
 
     def finished(self) -> bool:
         """Whether every chunk finished on the device, not only was issued; never blocks."""
@@ -344,6 +362,7 @@ class _Lane:
         self.must_complete = -1
         self.wake = threading.Condition(self.lock)
         self.completion_batches = 0
+        self.thread_batches = 0                   # of which the completion thread's
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
@@ -378,6 +397,11 @@ class _Lane:
         # with no per-step work at all (_issue_direct).
         self.batched = (self.cuda and self.lean and not self.timed
                         and not self.config.credit_bytes)
+        # CUDA without a credit window or tuner: nothing waits for a step's completion
+        # (credit), so nobody wakes the completion thread per iteration; the caller
+        # completes what the device finished at its next end of iteration (an event query
+        # each), see "Completion hand-off".
+        self.polled = self.cuda and not self.config.credit_bytes and self.tuner is None
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
@@ -430,6 +454,8 @@ class _Lane:
                     # Held back (order or credit): whoever issues it later, from whatever
                     # thread and stream, waits for this point of the caller's stream.
                     self._mark_ready(req)
+                else:
+                    req.at_once = req.chunks_issued == len(req.chunks)
                 settled = self._collect()
                 dispatched = False
         if dispatched is False:
@@ -460,7 +486,11 @@ class _Lane:
             if (pos >= len(plan.order) or plan.order[pos] != (req.key, 0)
                     or plan.layout.get(req.key) != 1):
                 return False
-        self._take_in(req)
+        # (_take_in, less the outstanding record: the request is resolved right below)
+        req.iteration = it.index
+        it.requests.append(req)
+        it.by_key[req.key] = req
+        req.at_once = True
         if plan is None:
             it.req_pos += 1                   # (what _peek would find: req fully issued)
         else:
@@ -469,6 +499,7 @@ class _Lane:
         if self.batched:
             self._issue_direct(req, chunk)
         else:
+            self.outstanding[id(req)] = req
             self._issue(chunk, 0)
         if plan is not None and it.plan_pos < len(plan.order) and \
                 plan.order[it.plan_pos][0] in it.by_key:
@@ -536,6 +567,8 @@ class _Lane:
                 self.idle.wait()
             settled = self._collect()
         self._settle(settled)
+        if self.polled:
+            self._complete(None)
         self._report(record)
         return record
 
@@ -720,7 +753,10 @@ class _Lane:
                         self.verify_queue.append((it.index, it.crc, it.sequence))
                     if self.tuner is not None:    # autotune: layouts, windows, in order
                         self.tuner.iteration_dispatched(it)
-                    self._ring()                  # complete the iteration's chunks
+                    if self.polled:
+                        self._seal_newest()       # the caller completes it, later
+                    else:
+                        self._ring()              # complete the iteration's chunks
                     self.idle.notify_all()
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
@@ -866,7 +902,10 @@ class _Lane:
                     return
                 # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
                 item = self.waiting_item
-                if item is None or time.monotonic() - self.waiting_since <= self.timeout_s:
+                if item is None:
+                    self._ring_stale(period)
+                    continue
+                if time.monotonic() - self.waiting_since <= self.timeout_s:
                     continue
                 what = item.describe()
                 self._fail(SchedulerError(
@@ -880,6 +919,17 @@ class _Lane:
                                                       chunk.t_dispatch_ns, time.time_ns())])
             self._fail_futures(failed)
             return
+
+    def _ring_stale(self, period: float) -> None:
+        """A lane whose caller completes (``polled``) and stopped ending iterations (the
+        end of training, an evaluation): what it issued over ``period`` ago goes to the
+        completion thread, which frees it and whose wait the watchdog times (lock held)."""
+        if not (self.polled and self.in_flight and self.must_complete < self.head_seq):
+            return
+        head = self.in_flight[0]
+        issued = head.t_first_ns if head.chunk is None else head.chunk.t_dispatch_ns
+        if time.time_ns() - issued > period * 1e9:
+            self._ring()
 
     def _issue(self, chunk: Chunk, step: int) -> None:
         req = chunk.request
@@ -926,9 +976,8 @@ class _Lane:
             nvtx_range_pop()
         if self._urgent(chunk, last):
             self._ring()
-        elif self.must_complete < self.head_seq and (
-                len(self.in_flight) >= LAZY_ITEMS or self.in_flight[-1].count >= LAZY_ITEMS):
-            self._ring()                      # (not while the completion thread is at it)
+        elif self.must_complete < self.head_seq:  # (not while the completion thread is at it)
+            self._bound_in_flight()
 
     def _issue_direct(self, req: Request, chunk: Chunk) -> None:
         """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
@@ -938,11 +987,28 @@ class _Lane:
         req.chunks_issued = 1
         req.issue_seq = self.requests_issued
         self.requests_issued += 1
-        work = req.done_work = self.newest[None] = issue_step(chunk, 0)
-        self.dispatched.append(req)
+        # (issue_step, spelled out for a whole all-reduce; resolved at once, as
+        # _take_dispatched would)
+        work = req.done_work = self.newest[None] = (
+            req.group.allreduce([req.tensor], req.reduce_options) if req.op == "all_reduce"
+            else issue_step(chunk, 0))
+        req.outcome = True
         self._batch(chunk, 0, True, work)
-        batch = self.in_flight[-1]
-        if batch.count >= LAZY_ITEMS and self.must_complete < self.head_seq:
+        if self.must_complete < self.head_seq:    # (not while the completion thread is at it)
+            self._bound_in_flight()
+
+    def _bound_in_flight(self) -> None:
+        """Keep what is issued and not completed bounded (lock held): past ``LAZY_ITEMS``
+        steps in one batch or items in flight the completion thread completes them; a lane
+        whose caller completes (``polled``) only closes an overgrown batch, and rings
+        where its caller lets items pile up (no end of iteration)."""
+        in_flight = self.in_flight
+        if self.polled:
+            if in_flight[-1].count >= LAZY_ITEMS:
+                self._seal_newest()
+            elif len(in_flight) >= POLLED_ITEMS:
+                self._ring()
+        elif len(in_flight) >= LAZY_ITEMS or in_flight[-1].count >= LAZY_ITEMS:
             self._ring()
 
     def _batch(self, chunk: Chunk, step: int, last: bool, work) -> None:
@@ -1012,7 +1078,7 @@ class _Lane:
             if padded:
                 finish_chunk(chunk)
             end = self._event() if not padded else torch.cuda.Event(
-                enable_timing=self.timed, blocking=True)
+                enable_timing=True, blocking=True)
             end.record(self.done_stream)
         finally:
             torch.cuda.set_stream(caller)
@@ -1048,6 +1114,13 @@ class _Lane:
             self.must_complete = newest
             self.wake.notify()
 
+    def _seal_newest(self) -> None:
+        """Close the open batch, if any, with its end event (lock held)."""
+        if self.in_flight and self.in_flight[-1].end is None:
+            item = self.in_flight[-1]
+            item.open = False
+            self._seal(item)
+
     def _seal(self, item: _InFlight) -> None:
         """Give ``item`` an end event after every step issued so far (on each group's
         stream): what the completion thread waits for, once for a whole batch."""
@@ -1068,7 +1141,9 @@ class _Lane:
         except IndexError:
             # blocking: the completion thread sleeps in synchronize() instead of spinning
             # (a spinning wait would burn a CPU core for as long as the collective runs).
-            return torch.cuda.Event(enable_timing=self.timed, blocking=True)
+            # Timed: the host-clock end of a step or batch comes from its end event when
+            # it is completed later than it finished (_end_times).
+            return torch.cuda.Event(enable_timing=True, blocking=True)
 
     # ---- completion (completion thread) --------------------------------------------------
     def _completion_loop(self) -> None:
@@ -1102,18 +1177,19 @@ class _Lane:
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
             item.error = exc
 
-    def _take_finished(self, waited: _InFlight) -> List[_InFlight]:
+    def _take_finished(self, waited: Optional[_InFlight]) -> List[_InFlight]:
         """Pop, in issue order, the items up to ``waited`` (finished: the thread waited for
         it, and on CUDA what precedes it finished first) and any finished after it; lock
         held. Everything that finished is completed under one lock acquisition: fewer
-        hand-offs of the GIL between this thread and the training thread."""
+        hand-offs of the GIL between this thread and the training thread. ``waited`` None
+        (CUDA, the caller polls): the sealed items at the head that finished."""
         batch = []
         in_flight = self.in_flight
-        seen = False
+        seen = waited is None
         while in_flight:
             item = in_flight[0]
             if seen and not (item.end.query() if item.end is not None
-                             else item.work.is_completed()):
+                             else waited is not None and item.work.is_completed()):
                 break
             in_flight.popleft()
             self.head_seq += 1
@@ -1129,7 +1205,7 @@ class _Lane:
         events: its end event mapped onto the host clock through an event recorded now on
         an idle stream (the thread may get to an item long after it finished); otherwise
         when the thread saw it finish."""
-        if not (self.cuda and self.timed) or any(item.end is None for item in batch):
+        if not self.cuda or any(item.end is None for item in batch):
             return [t_seen] * len(batch)
         try:
             return host_times_ns([item.end for item in batch], self.clock_stream,
@@ -1137,15 +1213,27 @@ class _Lane:
         except RuntimeError:              # an event that did not complete (a failure)
             return [t_seen] * len(batch)
 
-    def _complete(self, waited: _InFlight) -> None:
+    def _complete(self, waited: Optional[_InFlight]) -> None:
+        """Complete ``waited`` and what finished with it (completion thread), or, with
+        ``waited`` None, what the device finished of what the caller must complete
+        (``polled``: the caller's thread, at its end of iteration; nothing where the
+        completion thread was rung)."""
         t_seen = time.time_ns()
         records = []
         finished = []
         failed: List[Request] = []
         with self.lock:
-            self.waiting_item = None
+            if waited is None:
+                if self.waiting_item is not None or self.must_complete >= self.head_seq:
+                    return                # (the completion thread is at it)
+                batch = self._take_finished(None)
+                if not batch:
+                    return
+            else:
+                self.waiting_item = None
+                batch = self._take_finished(waited)
+                self.thread_batches += 1
             self.completion_batches += 1
-            batch = self._take_finished(waited)
             t_ends = self._end_times(batch, t_seen)
             if not self.in_flight:
                 self.newest.clear()       # (a work may hold buffers, see below)
@@ -1218,15 +1306,15 @@ class _Lane:
         self._fail_futures(failed)
 
     def _complete_batch(self, item: _InFlight, t_end: int) -> None:
-        """A batch completed (lock held): its credit back; the link busy with it from
-        its first dispatch at the earliest. A failed collective fails the lane."""
+        """A batch completed (lock held): its credit back. A failed collective fails the
+        lane. Its steps' time on the link is unknown (one event after the last): from its
+        first dispatch to its end is mostly the backward that produced its tensors, and
+        the plan's cost per byte (LinkCost) must not take that for link time."""
         if item.error is not None and self.failure is None:
             self.failure = SchedulerError(
                 f"commsched: one of {item.describe()} on lane {self.name} (ranks "
                 f"{list(self.ranks)}) failed: {item.error}")
         self.in_flight_bytes -= item.nbytes
-        if item.error is None:
-            self.link_cost.add(item.t_first_ns, t_end, item.nbytes)
 
     def _record(self, chunk: Chunk, step: int, error, t_start: int, t_end: int) -> ChunkRecord:
         req = chunk.request
@@ -1558,17 +1646,19 @@ class Scheduler:
 
     def stats(self, group=None) -> Dict[str, int]:
         """Counters of ``group``'s lane: iterations, chunks and bytes dispatched, the peak
-        of bytes in flight (bounded by the credit window), and the batches in which the
-        completion thread completed chunks (each a hand-off between threads)."""
+        of bytes in flight (bounded by the credit window), the batches in which chunks were
+        completed, and of those the completion thread's (each a hand-off between threads;
+        the others the caller's, see "Completion hand-off")."""
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         if lane is None:
             return {"iterations": 0, "chunks": 0, "bytes": 0, "peak_in_flight_bytes": 0,
-                    "completion_batches": 0}
+                    "completion_batches": 0, "thread_batches": 0}
         with lane.lock:
             return {"iterations": lane.iteration_count, "chunks": lane.chunks_dispatched,
                     "bytes": lane.bytes_dispatched,
                     "peak_in_flight_bytes": lane.peak_in_flight_bytes,
-                    "completion_batches": lane.completion_batches}
+                    "completion_batches": lane.completion_batches,
+                    "thread_batches": lane.thread_batches}
 
     def tuning_log(self, group=None) -> List[dict]:
         """The autotuner's decisions on ``group``'s lane, oldest first (identical on every

@@ -122,10 +122,10 @@ class _Records(Observer):
 
 
 def _lazy_completion(rank, world, port):
-    """Unbounded credit on NCCL: nothing waits for a chunk's completion, so the completion
-    thread is woken once per iteration (here by drain()) and completes its chunks in one
-    batch; their recorded device times are still when they finished on the device, not
-    when the thread got to them."""
+    """Unbounded credit on NCCL: nothing waits for a chunk's completion, so an iteration's
+    chunks are completed in one batch once it ended (here drain() ends it), by the caller;
+    their recorded device times are still when they finished on the device, not when
+    they were completed."""
     _init(rank, world, port)
     records = _Records()
     sched = commsched.Scheduler(
@@ -150,6 +150,44 @@ def _lazy_completion(rank, world, port):
         assert ends[-1] < t_drain - 100_000_000, (ends[-1], t_drain)
         for r in got:
             assert r.t_dispatch_ns - 1_000_000 <= r.t_start_ns <= r.t_end_ns, r
+    sched.close()
+    dist.destroy_process_group()
+
+
+def _polled_completion(rank, world, port):
+    """The default lane (no credit window, no telemetry): the caller's end_iteration
+    completes what the device finished, the completion thread is never woken while
+    iterations keep coming, and what stays in flight once they stop is handed to it by
+    the watchdog. Batches tell nothing of the link's busy time: the plan's cost stays
+    unmeasured rather than counting the wait for the tensors as link time."""
+    _init(rank, world, port)
+    sched = commsched.Scheduler(commsched.Config(timeout_s=10))   # watchdog period 1 s
+    expected = torch.full((1 << 20,), 3.0)
+    iterations = 6
+    for it in range(iterations):
+        ts = [torch.full((1 << 20,), float(rank + 1), device="cuda") for _ in range(3)]
+        if it == iterations - 1:
+            torch.cuda._sleep(200_000_000)    # ~100 ms: still running at the end
+        reqs = [sched.submit(t, key=i, priority=2 - i) for i, t in enumerate(ts)]
+        sched.end_iteration()
+        lane = sched._lanes[dist.group.WORLD]
+        assert len(lane.in_flight) <= 2, (it, len(lane.in_flight))
+        assert sched.stats()["thread_batches"] == 0, it
+        if it < iterations - 1:
+            for r in reqs:
+                assert torch.equal(r.wait().cpu(), expected)
+            time.sleep(0.1)
+    assert sched.stats()["completion_batches"] >= 1
+    assert lane.in_flight                     # the last iteration's batch
+    # Iterations stopped: the watchdog hands the last batch to the completion thread.
+    deadline = time.monotonic() + 10
+    while lane.in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not lane.in_flight
+    assert sched.stats()["thread_batches"] >= 1
+    for r in reqs:
+        assert torch.equal(r.wait().cpu(), expected)
+    assert lane.link_cost.nbytes == 0 and lane.link_cost.seconds_per_byte == 0.0
     sched.close()
     dist.destroy_process_group()
 
@@ -368,6 +406,10 @@ def test_future_resolves_after_device_completion():
 
 def test_lazy_completion_batches_and_device_times():
     _spawn(_lazy_completion)
+
+
+def test_caller_completes_batches_and_the_watchdog_hands_over_the_rest():
+    _spawn(_polled_completion)
 
 
 def test_telemetry_flush_is_where_the_device_ended_backward():
