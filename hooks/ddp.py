@@ -8,11 +8,16 @@ when the order allows, and returns the request's future. The last bucket ends th
 iteration, so what the plan still holds back may go; the hook returns from it once every
 chunk was issued.
 
-On CUDA the futures resolve once issued and carry no stream: the last bucket's call makes
-the current stream wait for every collective issued (``Scheduler.join``) before DDP reads
-the buckets, the one wait per iteration for the device. Only the backward compute that
-follows the last bucket's gradients (none for most models) is queued behind it. On CPU the
-futures resolve when the collectives finished.
+On CUDA a bucket issued at once (the common case) returns its collective's own future
+(``Work.get_future()``, as PyTorch's ``allreduce_hook`` does): when DDP reads the buckets at
+the end of backward, each bucket's copy into the gradients waits on the device for that
+bucket's collective only, so the copies of early buckets run while the last collectives do.
+A bucket the plan or the credit window held back returns the request's future, resolved
+once issued, with no stream; the last bucket's call then makes the current stream wait for
+every collective issued (``Scheduler.join``) before DDP reads the buckets. One wait for
+all would queue every copy behind the last collective, which costs more than the futures
+(see ``benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md``). On CPU the futures resolve
+when the collectives finished.
 
 Averaging is DDP's: the bucket is divided by the group size, then summed.
 """
@@ -37,7 +42,8 @@ class CommschedState:
         ddp_model.register_comm_hook(state, commsched_hook)
     """
 
-    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder")
+    __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder",
+                 "held")
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
@@ -57,6 +63,7 @@ class CommschedState:
         self.param_position: Dict[int, int] = {
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
+        self.held = False             # a bucket of this iteration returned a stream-less future
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
@@ -87,18 +94,27 @@ def commsched_hook(state: CommschedState,
         ddp_model.register_comm_hook(state, commsched.hooks.commsched_hook)
     """
     scheduler = state.scheduler
-    request = scheduler.submit(bucket.buffer(), key=bucket.index(),
-                               priority=state.priority(bucket), group=state.group,
-                               average=True)
+    tensor = bucket.buffer()
+    request = scheduler.submit(tensor, key=bucket.index(), priority=state.priority(bucket),
+                               group=state.group, average=True)
+    work = request.issued_work()
+    if work is not None:
+        future = work.get_future().then(lambda _, tensor=tensor: tensor)
+    else:
+        future = request.future
+        state.held = True
     if bucket.is_last():
         # DDP issues collectives of its own on this group right after the last bucket
         # (the unused-parameter map with find_unused_parameters): ours must all have been
         # issued before, or the ranks' collective sequences could interleave differently.
         scheduler.end_iteration(state.group, wait_dispatched=True)
         # DDP reads the buckets once this returns (at the end of backward, or at once
-        # where it reduces everything from a callback: static_graph's first iteration).
-        scheduler.join(state.group)
-    return request.future
+        # where it reduces everything from a callback: static_graph's first iteration):
+        # futures without a stream need the current stream to wait for the collectives.
+        if state.held or not tensor.is_cuda:
+            state.held = False
+            scheduler.join(state.group)
+    return future
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
