@@ -30,7 +30,7 @@ import models  # noqa: E402
 # Modes the harness measures itself, with no commsched API involved: these must run.
 HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound")
 ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound",
-             "ddp_python_hook",
+             "ddp_python_hook", "ddp_min_hook", "ddp_min_hook_join", "ddp_min_hook_join_div",
              "ddp_commsched", "ddp_commsched_sum", "ddp_commsched_large", "ddp_commsched_route",
              "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
              "ddp_commsched_telemetry_nonvml", "ddp_commsched_autotune",
@@ -39,7 +39,7 @@ ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound"
              "commsched_dp_thread", "commsched_dp_greedy", "megatron_stock",
              "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
-VARIANT_MODES = ("ddp_commsched_large", "ddp_commsched_route_fifo",
+VARIANT_MODES = ("ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
                  "commsched_dp_g4", "ddp_commsched_thread", "commsched_dp_thread",
                  "commsched_dp_unbounded", "commsched_dp_greedy")

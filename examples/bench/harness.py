@@ -613,6 +613,41 @@ def run_ddp_python_hook(bench: Bench) -> Dict[str, Any]:
     return {"iter_ms": bench.time(step)}
 
 
+def run_ddp_minimal_hook(bench: Bench, cuda_future: bool, in_kernel_average: bool
+                         ) -> Dict[str, Any]:
+    """A minimal Python hook, no scheduler: one all-reduce per bucket from the process
+    group, averaged by the collective (ReduceOp.AVG) or divided first, returning the
+    work's own future (``get_future().then``, as PyTorch's hooks do) or a CPU future set at
+    once with one wait for the newest collective at the last bucket. What each choice of
+    the commsched hook costs by itself, apart from the scheduler. The CPU future is only
+    correct where a stream orders the readers after the collective (NCCL)."""
+    if not cuda_future and not bench.cuda:
+        raise ModeUnavailable("NCCL only: a future set before its collective finished is "
+                              "read too early on gloo")
+    model = bench.ddp(bench.build_model())
+    group = dist.group.WORLD
+    world = dist.get_world_size()
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.AVG if in_kernel_average else dist.ReduceOp.SUM
+
+    def hook(_state, bucket):
+        tensor = bucket.buffer()
+        if not in_kernel_average:
+            tensor.div_(world)
+        work = group.allreduce([tensor], options)
+        if cuda_future:
+            return work.get_future().then(lambda _: tensor)
+        future = torch.futures.Future()
+        future.set_result(tensor)
+        if bucket.is_last():
+            work.wait()           # (the newest: a group's collectives run in issue order)
+        return future
+
+    model.register_comm_hook(None, hook)
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+    return {"iter_ms": bench.time(step)}
+
+
 def run_comm_only(bench: Bench) -> Dict[str, Any]:
     """The same bytes and collectives as DDP without compute: one async fp32 all-reduce per
     gradient bucket, issued in bucket order, then all waited for (the comm floor)."""
@@ -782,6 +817,12 @@ MODES: List[Mode] = [
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
+    Mode("ddp_min_hook", "4c DDP + minimal hook: AVG all-reduce, the work's future",
+         lambda bench: run_ddp_minimal_hook(bench, True, True)),
+    Mode("ddp_min_hook_join", "4d as 4c, a CPU future per bucket and one wait at the last",
+         lambda bench: run_ddp_minimal_hook(bench, False, True)),
+    Mode("ddp_min_hook_join_div", "4e as 4d, buckets divided first and summed",
+         lambda bench: run_ddp_minimal_hook(bench, False, False)),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
     Mode("ddp_commsched_sum", "5h as 5, buckets scaled by 1/world and summed (no "
          "ReduceOp.AVG)", run_ddp_commsched_sum),
