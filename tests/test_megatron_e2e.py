@@ -75,3 +75,27 @@ def test_stock_and_patched_launches_run_and_are_tabled(tmp_path):
     run = doc["runs"][0]
     assert "under_commsched=False" in open(run["stock"]["log"]).read()
     assert "under_commsched=True" in open(run["patched"]["log"]).read()
+
+
+def test_the_launcher_only_variant_runs_under_the_launcher_with_nothing_patched(tmp_path):
+    """--launcher-only: a third launch, the patched script with COMMSCHED=0; rounds
+    alternate which variant goes first."""
+    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
+    out = tmp_path / "megatron.json"
+    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
+                              "no_overlap", "--rounds", "2", "--train-iters", "30",
+                              "--skip", "10", "--run-timeout", "240", "--launcher-only",
+                              "--out", str(out)])
+    assert code == 0
+    import json
+    doc = json.loads(out.read_text())
+    row = doc["summary"]["nvlink/no_overlap"]
+    assert row["losses_equal"] and row["errors"] == []
+    assert row["launcher_ratio"] == pytest.approx(1.0) and len(row["launcher_ms"]) == 2
+    for run in doc["runs"]:
+        log = open(run["launcher"]["log"]).read()
+        assert "launcher=True" in log and "under_commsched=False" in log
+        assert "launcher=False" in open(run["stock"]["log"]).read()
+    assert "launcher/stock" in megatron_e2e.table(doc["summary"])
+    assert doc["runs"][0]["order"] == ["stock", "patched", "launcher"]
+    assert doc["runs"][1]["order"] == ["launcher", "patched", "stock"]

@@ -12,9 +12,15 @@ For each regime (``--regimes``), round (``--rounds``) and setting (``--settings`
   overlap_grad     --overlap-grad-reduce
   distopt_overlap  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 
+Rounds alternate which variant runs first (stock first in odd rounds), so that a drift of
+the machine over a round does not favour one. ``--launcher-only`` adds a third variant: the
+patched script with ``COMMSCHED=0``, i.e. under ``commsched.run`` with nothing patched,
+which separates what the launcher costs from what the scheduler does.
+
 Reported per regime and setting: the median over rounds of each run's mean time per logged
-iteration after ``--skip`` iterations (with the rounds' spread), patched / stock, and
-whether the losses were identical at every logged iteration of every round. The model is
+iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
+launcher / stock), and whether the losses were identical at every logged iteration of every
+round. The model is
 the protocol's GPT (24 layers x 1024, seq 1024, micro-batch 8; ``--layers``, ``--hidden``,
 ``--micro-batch``). commsched is put on the workers' path from this checkout (no install
 needed). Output: JSON (``--out``), every run's log under ``--log-dir``, a table last.
@@ -121,53 +127,68 @@ def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
     return result
 
 
+VARIANTS = ("stock", "patched", "launcher")
+
+
 def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
-    """Per (regime, setting): stock and patched ms (median over rounds, min-max), the
-    ratio, and whether the losses matched in every round."""
+    """Per (regime, setting): each variant's ms (median over rounds, min-max), patched /
+    stock (``ratio``) and launcher / stock (``launcher_ratio``, where it ran), and whether
+    every variant's losses matched stock's in every round."""
     out: Dict[str, object] = {}
     for run in runs:
         key = f"{run['regime']}/{run['setting']}"
         row = out.setdefault(key, {"regime": run["regime"], "setting": run["setting"],
                                    "stock_ms": [], "patched_ms": [], "losses_equal": True,
                                    "errors": []})
-        stock, patched = run["stock"], run["patched"]
-        for name, result in (("stock", stock), ("patched", patched)):
+        stock = run["stock"]
+        for name in VARIANTS:
+            result = run.get(name)
+            if result is None:
+                continue
+            values = row.setdefault(f"{name}_ms", [])
             if result["error"]:
                 row["errors"].append(f"{name} round {run['round']}: {result['error']}")
             else:
                 try:
-                    row[f"{name}_ms"].append(steady_ms(MegatronLog(
+                    values.append(steady_ms(MegatronLog(
                         result["iterations"], result["ms"], result["loss"]), skip))
                 except ValueError as exc:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
-        if stock["error"] or patched["error"] or stock.get("loss") != patched.get("loss"):
-            row["losses_equal"] = False
+            if result["error"] or stock["error"] or result.get("loss") != stock.get("loss"):
+                row["losses_equal"] = False
     for row in out.values():
-        for name in ("stock", "patched"):
-            values = row[f"{name}_ms"]
-            row[f"{name}_median_ms"] = statistics.median(values) if values else None
-        if row["stock_median_ms"] and row["patched_median_ms"]:
-            row["ratio"] = row["patched_median_ms"] / row["stock_median_ms"]
-        else:
-            row["ratio"] = None
+        for name in VARIANTS:
+            values = row.get(f"{name}_ms")
+            if values is not None:
+                row[f"{name}_median_ms"] = statistics.median(values) if values else None
+        for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
+            if f"{name}_ms" not in row:
+                continue
+            row[ratio] = (row[f"{name}_median_ms"] / row["stock_median_ms"]
+                          if row["stock_median_ms"] and row[f"{name}_median_ms"] else None)
     return out
 
 
 def table(summary: Dict[str, object]) -> str:
+    launcher = any("launcher_ms" in row for row in summary.values())
     rows = []
     for row in summary.values():
         def cell(name):
-            values = row[f"{name}_ms"]
+            values = row.get(f"{name}_ms")
             if not values:
                 return None
             return (f"{row[f'{name}_median_ms']:.1f} ({min(values):.1f}-{max(values):.1f})")
+
+        def ratio(key):
+            return f"{row[key]:.3f}" if row.get(key) else None
+        extra = [cell("launcher"), ratio("launcher_ratio")] if launcher else []
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
-                     f"{row['ratio']:.3f}" if row["ratio"] else None,
-                     "yes" if row["losses_equal"] else "NO",
+                     ratio("ratio"), *extra, "yes" if row["losses_equal"] else "NO",
                      "; ".join(row["errors"])[:120] or None])
+    extra = ["launcher only ms/iter", "launcher/stock"] if launcher else []
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
-         "losses equal", "note"], rows)
+         *extra, "losses equal", "note"], rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,9 +198,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--regimes", default="nvlink,host,sockets")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--train-iters", type=int, default=40)
-    parser.add_argument("--skip", type=int, default=10,
-                        help="iterations left out of the mean (default 10)")
+    parser.add_argument("--train-iters", type=int, default=100,
+                        help="iterations per run (default 100; shorter runs scatter, see "
+                             "benchmarks/megatron_e2e_2xH200_2026-11-27.md)")
+    parser.add_argument("--skip", type=int, default=20,
+                        help="iterations left out of the mean (default 20)")
+    parser.add_argument("--launcher-only", action="store_true",
+                        help="also run the patched script with COMMSCHED=0 (commsched.run, "
+                             "nothing patched)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -216,6 +242,12 @@ def main(argv=None) -> int:
         shutil.copy(LAUNCH_SCRIPT, stock_script)
         patched_script = tmp_path / "run_gpt_commsched.sh"
         patched_script.write_text(patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "1"}))
+        variants = [("stock", stock_script), ("patched", patched_script)]
+        if args.launcher_only:
+            launcher_script = tmp_path / "run_gpt_launcher.sh"
+            launcher_script.write_text(
+                patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "0"}))
+            variants.append(("launcher", launcher_script))
         site = commsched_site(tmp_path)
         base = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
         base.update(NCCL_NVLS_ENABLE="0", TRAIN_ITERS=str(args.train_iters),
@@ -237,8 +269,9 @@ def main(argv=None) -> int:
                         else:
                             env[name] = value
                     run = {"regime": regime, "setting": setting, "round": round_}
-                    for variant, script in (("stock", stock_script),
-                                            ("patched", patched_script)):
+                    order = variants if round_ % 2 else variants[::-1]
+                    run["order"] = [variant for variant, _ in order]
+                    for variant, script in order:
                         log_path = log_dir / f"{regime}_{setting}_r{round_}_{variant}.log"
                         env["MASTER_PORT"] = str(benchlib.free_port())
                         print(f"[megatron] {regime} {setting} round {round_}: {variant}",
