@@ -1,6 +1,7 @@
 """The Megatron-LM end-to-end benchmark (examples/bench/megatron_e2e.py) reads times and
-losses from Megatron-LM's own training log: a log excerpt in the format of core_r0.19.0's
-training_log, and logs that lack them."""
+losses from Megatron-LM's own training log: an excerpt of a real run (core_r0.19.0's
+pretrain_gpt.py on 2x H200, the training part of a log kept under benchmarks/data/, paths
+shortened), and logs that lack them."""
 
 import os
 import sys
@@ -10,22 +11,23 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "bench"))
 import megatron_e2e  # noqa: E402  (the path above)
 
-LOG = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "pretrain_gpt_2gpu.log")
+LOG = os.path.join(os.path.dirname(__file__), "fixtures", "megatron",
+                   "pretrain_gpt_core_r0.19.0_2xH200.log")
 
 
 def test_the_log_excerpt_gives_every_logged_iteration_with_its_time_and_loss():
     log = megatron_e2e.parse_megatron_log(open(LOG).read())
-    assert log.iterations == [10, 20, 30, 40]
-    assert log.ms == [561.3, 222.9, 222.0, 222.7]
-    assert log.loss == [10.36194, 9.102354, 7.986112, 7.610548]
+    assert log.iterations == [1, 10, 20, 30]
+    assert log.ms == [3299.7, 497.4, 186.6, 201.3]
+    assert log.loss == [11.03326, 9.980937, 8.267979, 8.181424]
 
 
 def test_the_steady_time_leaves_out_the_intervals_of_the_first_iterations():
     log = megatron_e2e.parse_megatron_log(open(LOG).read())
-    assert megatron_e2e.steady_ms(log, skip=10) == pytest.approx((222.9 + 222.0 + 222.7) / 3)
+    assert megatron_e2e.steady_ms(log, skip=10) == pytest.approx((186.6 + 201.3) / 2)
     assert megatron_e2e.steady_ms(log, skip=0) == pytest.approx(sum(log.ms) / 4)
-    with pytest.raises(ValueError, match="no logged interval after iteration 40"):
-        megatron_e2e.steady_ms(log, skip=40)
+    with pytest.raises(ValueError, match="no logged interval after iteration 30"):
+        megatron_e2e.steady_ms(log, skip=30)
 
 
 @pytest.mark.parametrize("text", [
