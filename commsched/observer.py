@@ -66,12 +66,14 @@ class Observer:
 
     def on_chunks(self, records: List[ChunkRecord]) -> None:
         """Chunk steps that finished together on the device, in issue order. Called from
-        the completion thread; by default ``on_chunk`` for each."""
+        the completion thread, or, on CUDA without a credit window, from the thread that
+        ends an iteration (see the scheduler's "Completion hand-off"); by default
+        ``on_chunk`` for each."""
         for record in records:
             self.on_chunk(record)
 
     def on_chunk(self, record: ChunkRecord) -> None:
-        """A chunk step finished on the device. Called from the completion thread."""
+        """A chunk step finished on the device. Called where ``on_chunks`` is."""
         raise NotImplementedError
 
     def on_iteration(self, record: IterationRecord) -> None:

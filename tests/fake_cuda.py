@@ -1,0 +1,97 @@
+"""Run the scheduler's CUDA code paths on CPU processes (gloo), for their bookkeeping.
+
+``install()`` makes every lane created afterwards take its CUDA branches — completion
+batches, the caller-side completion of polled lanes, ready events and the launch stream,
+per-step end events, ``join()`` — with streams and events that do nothing and report every
+event complete. Collectives stay gloo's, made synchronous (a gloo work is waited for before
+it is returned), so the in-issue-order completion that the CUDA paths assume of NCCL
+holds. What this cannot check is anything about devices and streams themselves: that is
+``tests/gpu``'s job. Call it in the worker process, before the Scheduler is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.recorded = 0
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class FakeStream:
+    def __init__(self, device=None, priority=0):
+        self.waited = 0
+
+    def wait_event(self, event):
+        self.waited += 1
+
+    def wait_stream(self, stream):
+        self.waited += 1
+
+    def synchronize(self):
+        pass
+
+
+_CURRENT = FakeStream()
+
+
+def install() -> None:
+    """Patch this process for good (a spawned worker's)."""
+    import commsched.scheduler as scheduler
+
+    cuda = torch.cuda
+    cuda.Stream = FakeStream
+    cuda.Event = FakeEvent
+    cuda.current_stream = lambda device=None: _CURRENT
+    cuda.set_stream = lambda stream: None
+    cuda.set_device = lambda device: None
+    cuda.stream = lambda stream: contextlib.nullcontext()
+
+    group_type = type(dist.group.WORLD)
+    allreduce = group_type.allreduce
+
+    def synchronous_allreduce(self, *args, **kwargs):
+        work = allreduce(self, *args, **kwargs)
+        work.wait()
+        return work
+
+    group_type.allreduce = synchronous_allreduce
+    issue_step = scheduler.issue_step
+
+    def synchronous_issue_step(chunk, step):
+        work = issue_step(chunk, step)
+        work.wait()
+        return work
+
+    scheduler.issue_step = synchronous_issue_step
+    lane_init = scheduler._Lane.__init__
+
+    def init(self, *args, **kwargs):
+        lane_init(self, *args, **kwargs)
+        self.cuda = self.stream_ordered = True
+        self.batched = self.lean and not self.timed and not self.config.credit_bytes
+        self.polled = not self.config.credit_bytes and self.tuner is None
+        self.launch_stream, self.done_stream, self.clock_stream = (
+            FakeStream(), FakeStream(), FakeStream())
+        self.clock_event = FakeEvent()
+
+    scheduler._Lane.__init__ = init
