@@ -1204,8 +1204,10 @@ class _Lane:
         """Host-clock time at which each item finished on the device. With CUDA timing
         events: its end event mapped onto the host clock through an event recorded now on
         an idle stream (the thread may get to an item long after it finished); otherwise
-        when the thread saw it finish."""
-        if not self.cuda or any(item.end is None for item in batch):
+        when the thread saw it finish. Completion batches alone need no time (nothing
+        reads it, see ``_complete_batch``): no mapping then."""
+        if (not self.cuda or any(item.end is None for item in batch)
+                or all(item.chunk is None for item in batch)):
             return [t_seen] * len(batch)
         try:
             return host_times_ns([item.end for item in batch], self.clock_stream,
@@ -1241,7 +1243,7 @@ class _Lane:
                 chunk, step, start, end, error = (item.chunk, item.step, item.start,
                                                   item.end, item.error)
                 if chunk is None:             # a batch of steps (CUDA, see _batch)
-                    self._complete_batch(item, t_end)
+                    self._complete_batch(item)
                     continue
                 req = chunk.request
                 chunk.steps_done = step + 1
@@ -1305,7 +1307,7 @@ class _Lane:
                 _settle_outcome(req)
         self._fail_futures(failed)
 
-    def _complete_batch(self, item: _InFlight, t_end: int) -> None:
+    def _complete_batch(self, item: _InFlight) -> None:
         """A batch completed (lock held): its credit back. A failed collective fails the
         lane. Its steps' time on the link is unknown (one event after the last): from its
         first dispatch to its end is mostly the backward that produced its tensors, and
