@@ -298,6 +298,131 @@ class _End:
         self.taken = threading.Event()
 
 
+class _DispatchThread:
+    """``Config.dispatch="thread"``: a thread per lane issues what the caller submits.
+    Submitted requests and iteration ends wait in the inbox, in call order; the caller
+    keeps the keys of its open iteration to reject a duplicate at once. Owns the inbox and
+    the thread; everything else is the lane's, under the lane's lock."""
+
+    __slots__ = ("lane", "items", "lock", "ready", "closed", "caller_keys", "thread")
+
+    def __init__(self, lane: "_Lane"):
+        self.lane = lane
+        self.items: "collections.deque" = collections.deque()
+        self.lock = threading.Lock()
+        self.ready = threading.Condition(self.lock)
+        self.closed = False
+        self.caller_keys: set = set()
+        self.thread = start_thread(self._loop, f"commsched-{lane.name}-dispatch",
+                                   f"cs-{lane.name}-dispatch")
+
+    def post(self, req: Request) -> None:
+        """Queue ``req`` (caller's thread: a few microseconds)."""
+        lane = self.lane
+        if lane.failure is not None:
+            raise lane.failure
+        if req.key in self.caller_keys:
+            raise SchedulerError(
+                f"request key {req.key!r} submitted twice in one iteration of lane "
+                f"{lane.name}; call end_iteration() between iterations")
+        self.caller_keys.add(req.key)
+        self._enqueue(req)
+
+    def _enqueue(self, item) -> None:
+        with self.ready:
+            if self.closed:
+                raise SchedulerError(f"lane {self.lane.name} is closed")
+            self.items.append(item)
+            self.ready.notify()
+
+    def post_end(self, wait_dispatched: bool, wait_taken: bool) -> Optional[IterationRecord]:
+        """Queue the end of the open iteration and wait until the thread took it in:
+        requests and their iteration then reach the lane in the same order, relative to
+        the caller's own calls, as inline (a plan exchange of the next iteration cannot
+        come after a collective the caller issues once its iteration ended). The thread
+        takes it in once it dispatched what was queued before it, so the wait lasts as
+        long as issuing those collectives; ``wait_taken=False`` skips it (and returns no
+        record)."""
+        lane = self.lane
+        if not self.caller_keys:
+            return None
+        if lane.failure is not None:
+            raise lane.failure
+        self.caller_keys = set()
+        end = _End(time.time_ns(), lane._flush_mark())
+        self._enqueue(end)
+        if not wait_taken and not wait_dispatched:
+            return None
+        end.taken.wait()
+        record = end.record
+        with lane.lock:
+            while (wait_dispatched and record is not None and lane.failure is None
+                   and record.iteration >= lane.dispatched_iterations):
+                lane.idle.wait()
+            if lane.failure is not None:
+                raise lane.failure
+        return record
+
+    def close(self) -> None:
+        """Take in and dispatch what was queued, then end the thread."""
+        with self.ready:
+            self.closed = True
+            self.ready.notify()
+        self.thread.join(timeout=1 if self.lane.failure is not None else 10)
+
+    def _loop(self) -> None:
+        if self.lane.cuda:
+            torch.cuda.set_device(self.lane.device)
+        while True:
+            with self.ready:
+                while not self.items:
+                    if self.closed:
+                        return
+                    self.ready.wait()
+            self._take()
+
+    def _take(self) -> None:
+        """Take in everything queued, in order, and dispatch as far as possible. A failure
+        fails the lane: its requests' futures and the caller's next call raise it."""
+        lane = self.lane
+        ends = []
+        failed = []
+        with lane.lock:
+            with self.lock:
+                items = list(self.items)
+                self.items.clear()
+            try:
+                for item in items:
+                    if lane.failure is not None:
+                        if type(item) is not _End:
+                            failed.append(item)
+                    elif type(item) is _End:
+                        item.record = lane._close_iteration(item.t_end_ns, item.mark)
+                        ends.append(item)
+                    else:
+                        lane._take_in(item)
+                if lane.failure is None:
+                    lane._pump()
+            except BaseException as error:  # noqa: BLE001 (surfaces in the caller's thread)
+                lane._fail(error)
+            taken_failed, dispatched = lane._collect()
+            failed += taken_failed or []
+        try:
+            lane._resolve(dispatched)
+            if failed:
+                lane._fail_futures(failed)
+            for end in ends:
+                if end.record is not None:
+                    lane._report(end.record)
+        except BaseException as error:  # noqa: BLE001 (an observer's, say: fail the lane)
+            with lane.lock:
+                lane._fail(error)
+        finally:
+            for item in items:
+                if type(item) is _End:
+                    item.taken.set()
+
+
 class _Lane:
     """Everything the scheduler does for one process group. ``lock`` guards all mutable
     state; dispatch happens under it, so the dispatch sequence is totally ordered."""
@@ -412,18 +537,8 @@ class _Lane:
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
         self.thread = start_thread(self._completion_loop, f"commsched-{name}",
                                    f"cs-{name}-complete")
-        # --- dispatch thread (Config.dispatch): submitted requests and iteration ends wait
-        # in the inbox, in call order, for the dispatch thread; the caller keeps the keys
-        # of its open iteration to reject a duplicate at once.
-        self.inbox: Optional["collections.deque"] = None
-        if threaded:
-            self.inbox = collections.deque()
-            self.inbox_lock = threading.Lock()
-            self.inbox_ready = threading.Condition(self.inbox_lock)
-            self.inbox_closed = False
-            self.caller_keys: set = set()
-            self.dispatcher = start_thread(self._dispatch_loop, f"commsched-{name}-dispatch",
-                                           f"cs-{name}-dispatch")
+        # Config.dispatch="thread": a thread issues what the caller submits (_DispatchThread)
+        self.inbox: Optional[_DispatchThread] = _DispatchThread(self) if threaded else None
         self.watchdog = start_thread(self._watchdog, f"commsched-{name}-watchdog",
                                      f"cs-{name}-watchdog")
 
@@ -440,7 +555,7 @@ class _Lane:
         here, on the caller's stream, which orders the tensor's producers before it."""
         if self.inbox is not None:
             self._mark_ready(req)
-            self._post(req)
+            self.inbox.post(req)
             return
         with self.lock:
             if self.failure is not None:
@@ -554,7 +669,7 @@ class _Lane:
     def end_iteration(self, wait_dispatched: bool,
                       wait_taken: bool = True) -> Optional[IterationRecord]:
         if self.inbox is not None:
-            return self._post_end(wait_dispatched, wait_taken)
+            return self.inbox.post_end(wait_dispatched, wait_taken)
         with self.lock:
             mark = self._flush_mark() if self.current is not None else None
             record = self._close_iteration(time.time_ns(), mark)
@@ -604,103 +719,6 @@ class _Lane:
             self.observer.on_iteration(record)
         if self.tuner is not None:            # autotune: decisions to the observer, unlocked
             self.tuner.report(self.observer)
-
-    # ---- dispatch thread (Config.dispatch) -----------------------------------------------
-    def _post(self, req: Request) -> None:
-        """Queue ``req`` for the dispatch thread (caller's thread: a few microseconds)."""
-        if self.failure is not None:
-            raise self.failure
-        if req.key in self.caller_keys:
-            raise SchedulerError(
-                f"request key {req.key!r} submitted twice in one iteration of lane "
-                f"{self.name}; call end_iteration() between iterations")
-        self.caller_keys.add(req.key)
-        self._enqueue(req)
-
-    def _enqueue(self, item) -> None:
-        with self.inbox_ready:
-            if self.inbox_closed:
-                raise SchedulerError(f"lane {self.name} is closed")
-            self.inbox.append(item)
-            self.inbox_ready.notify()
-
-    def _post_end(self, wait_dispatched: bool, wait_taken: bool) -> Optional[IterationRecord]:
-        """Queue the end of the open iteration and wait until the dispatch thread took it
-        in: requests and their iteration then reach the lane in the same order, relative
-        to the caller's own calls, as inline (a plan exchange of the next iteration cannot
-        come after a collective the caller issues once its iteration ended). The dispatch
-        thread takes it in once it dispatched what was queued before it, so the wait
-        lasts as long as issuing those collectives; ``wait_taken=False`` skips it (and
-        returns no record)."""
-        if not self.caller_keys:
-            return None
-        if self.failure is not None:
-            raise self.failure
-        self.caller_keys = set()
-        end = _End(time.time_ns(), self._flush_mark())
-        self._enqueue(end)
-        if not wait_taken and not wait_dispatched:
-            return None
-        end.taken.wait()
-        record = end.record
-        with self.lock:
-            while (wait_dispatched and record is not None and self.failure is None
-                   and record.iteration >= self.dispatched_iterations):
-                self.idle.wait()
-            if self.failure is not None:
-                raise self.failure
-        return record
-
-    def _dispatch_loop(self) -> None:
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-        while True:
-            with self.inbox_ready:
-                while not self.inbox:
-                    if self.inbox_closed:
-                        return
-                    self.inbox_ready.wait()
-            self._take_inbox()
-
-    def _take_inbox(self) -> None:
-        """Take in everything queued, in order, and dispatch as far as possible. A failure
-        fails the lane: its requests' futures and the caller's next call raise it."""
-        ends = []
-        failed = []
-        with self.lock:
-            with self.inbox_lock:
-                items = list(self.inbox)
-                self.inbox.clear()
-            try:
-                for item in items:
-                    if self.failure is not None:
-                        if type(item) is not _End:
-                            failed.append(item)
-                    elif type(item) is _End:
-                        item.record = self._close_iteration(item.t_end_ns, item.mark)
-                        ends.append(item)
-                    else:
-                        self._take_in(item)
-                if self.failure is None:
-                    self._pump()
-            except BaseException as error:  # noqa: BLE001 (surfaces in the caller's thread)
-                self._fail(error)
-            taken_failed, dispatched = self._collect()
-            failed += taken_failed or []
-        try:
-            self._resolve(dispatched)
-            if failed:
-                self._fail_futures(failed)
-            for end in ends:
-                if end.record is not None:
-                    self._report(end.record)
-        except BaseException as error:  # noqa: BLE001 (an observer's, say: fail the lane)
-            with self.lock:
-                self._fail(error)
-        finally:
-            for item in items:
-                if type(item) is _End:
-                    item.taken.set()
 
     def _note_layout(self, it: _Iteration) -> None:
         """Decide, from the submitted layout only (rank-invariant), whether the next
@@ -1372,10 +1390,7 @@ class _Lane:
     def close(self) -> None:
         if self.inbox is not None:
             # What was queued is taken in and dispatched first, as inline it would have been.
-            with self.inbox_ready:
-                self.inbox_closed = True
-                self.inbox_ready.notify()
-            self.dispatcher.join(timeout=1 if self.failure is not None else 10)
+            self.inbox.close()
         self.stopping.set()
         # The completion thread completes what was issued, then ends. (A thread stuck in a
         # failed collective may hold the lock: do not wait for it.)

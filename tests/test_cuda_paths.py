@@ -2,10 +2,11 @@
 (``fake_cuda``: streams and events that do nothing, gloo collectives made synchronous).
 
 They check the bookkeeping of what otherwise runs only on GPUs — completion batches and
-their caller-side completion, held requests issued from the launch stream, per-step events
-under a credit window or telemetry, the watchdog handing stale batches over, the DDP hook's
-per-bucket futures — against plain collectives and stock DDP. With 2 ranks every sum is
-a + b, so results must be bitwise equal. Streams and devices themselves: ``tests/gpu``.
+their caller-side completion, held requests issued from the launch stream, a dispatch
+thread, per-step events under a credit window or telemetry, the watchdog handing stale
+batches over, the DDP hook's per-bucket futures — against plain collectives and stock
+DDP. With 2 ranks every sum is a + b, so results must be bitwise equal. Streams and
+devices themselves: ``tests/gpu``.
 """
 
 import time
@@ -100,6 +101,18 @@ def _cuda_paths(rank, world):
     assert 0 < sched.stats()["peak_in_flight_bytes"] <= 2048 + 512
     assert sched.stats()["thread_batches"] > 0
     sched.close()
+
+    # A dispatch thread issues what the caller submits, from the launch stream after each
+    # request's ready event: no request offers a work issued from the caller's stream.
+    sched = commsched.Scheduler(Config(partition_bytes=1024, dispatch="thread",
+                                       profile_iters=1))
+
+    def from_the_thread(it, reqs):
+        assert all(r.issued_work() is None for r in reqs), it
+    _iterations(sched, rank, 4, backwards, from_the_thread)
+    sched.drain(timeout=30)
+    sched.close()
+    assert not sched._lanes[group].inbox.thread.is_alive()
 
     # rs_ag: two steps per chunk, the second issued right behind the first.
     sched = commsched.Scheduler(Config(partition_bytes=1000, decompose="rs_ag",

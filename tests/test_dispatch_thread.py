@@ -147,7 +147,7 @@ def test_close_dispatches_what_was_queued(world1):
     sched.close()
     for req in reqs:
         assert req.future.done() and torch.equal(req.wait(), torch.full((50,), 2.0))
-    assert not sched._lanes[torch.distributed.group.WORLD].dispatcher.is_alive()
+    assert not sched._lanes[torch.distributed.group.WORLD].inbox.thread.is_alive()
     with pytest.raises(SchedulerError, match="closed"):
         sched.submit(torch.ones(10), key="after")
 
