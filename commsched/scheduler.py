@@ -423,6 +423,60 @@ class _DispatchThread:
                     item.taken.set()
 
 
+class _Watchdog:
+    """A thread per lane that turns a collective that never completes (a dead peer,
+    mismatched collectives) into an error on this rank, naming what it was waiting for;
+    and hands the completion thread what a lane whose caller completes (``polled``) left
+    in flight longer than its period (the caller stopped ending iterations: the end of
+    training, an evaluation), which the completion thread then frees and this thread
+    times. Owns its period and thread; reads the lane's state under the lane's lock."""
+
+    __slots__ = ("lane", "period", "thread")
+
+    def __init__(self, lane: "_Lane"):
+        self.lane = lane
+        self.period = min(max(lane.timeout_s / 10.0, 0.05), 5.0)
+        self.thread = start_thread(self._run, f"commsched-{lane.name}-watchdog",
+                                   f"cs-{lane.name}-watchdog")
+
+    def _run(self) -> None:
+        lane = self.lane
+        while not lane.stopping.wait(self.period):
+            with lane.lock:
+                if lane.failure is not None:
+                    return
+                # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
+                item = lane.waiting_item
+                if item is None:
+                    self._hand_over_stale()
+                    continue
+                if time.monotonic() - lane.waiting_since <= lane.timeout_s:
+                    continue
+                lane._fail(SchedulerError(
+                    f"commsched: {item.describe()} on lane {lane.name} (ranks "
+                    f"{list(lane.ranks)}) did not complete within {lane.timeout_s:.0f} s "
+                    f"(COMMSCHED_TIMEOUT_S); a peer may have died or the ranks issued "
+                    f"different collectives"))
+                failed = lane._take_failed_requests()
+            chunk = item.chunk
+            if lane.observer is not None and chunk is not None:
+                lane.observer.on_chunks([lane._record(chunk, item.step, lane.failure,
+                                                      chunk.t_dispatch_ns, time.time_ns())])
+            lane._fail_futures(failed)
+            return
+
+    def _hand_over_stale(self) -> None:
+        """Ring the completion thread for what a polled lane issued over a period ago
+        (lane's lock held)."""
+        lane = self.lane
+        if not (lane.polled and lane.in_flight and lane.must_complete < lane.head_seq):
+            return
+        head = lane.in_flight[0]
+        issued = head.t_first_ns if head.chunk is None else head.chunk.t_dispatch_ns
+        if time.time_ns() - issued > self.period * 1e9:
+            lane._ring()
+
+
 class _Lane:
     """Everything the scheduler does for one process group. ``lock`` guards all mutable
     state; dispatch happens under it, so the dispatch sequence is totally ordered."""
@@ -539,8 +593,7 @@ class _Lane:
                                    f"cs-{name}-complete")
         # Config.dispatch="thread": a thread issues what the caller submits (_DispatchThread)
         self.inbox: Optional[_DispatchThread] = _DispatchThread(self) if threaded else None
-        self.watchdog = start_thread(self._watchdog, f"commsched-{name}-watchdog",
-                                     f"cs-{name}-watchdog")
+        self.watchdog = _Watchdog(self)
 
     def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
         options = self.options.get(reduce_op)
@@ -909,45 +962,6 @@ class _Lane:
         for req in requests:
             if req._future is not None:
                 _settle_outcome(req)
-
-    def _watchdog(self) -> None:
-        """Turn a collective that never completes (a dead peer, mismatched collectives)
-        into an error on this rank, naming what it was waiting for."""
-        period = min(max(self.timeout_s / 10.0, 0.05), 5.0)
-        while not self.stopping.wait(period):
-            with self.lock:
-                if self.failure is not None:
-                    return
-                # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
-                item = self.waiting_item
-                if item is None:
-                    self._ring_stale(period)
-                    continue
-                if time.monotonic() - self.waiting_since <= self.timeout_s:
-                    continue
-                what = item.describe()
-                self._fail(SchedulerError(
-                    f"commsched: {what} on lane {self.name} (ranks {list(self.ranks)}) did "
-                    f"not complete within {self.timeout_s:.0f} s (COMMSCHED_TIMEOUT_S); a peer "
-                    f"may have died or the ranks issued different collectives"))
-                failed = self._take_failed_requests()
-            chunk = item.chunk
-            if self.observer is not None and chunk is not None:
-                self.observer.on_chunks([self._record(chunk, item.step, self.failure,
-                                                      chunk.t_dispatch_ns, time.time_ns())])
-            self._fail_futures(failed)
-            return
-
-    def _ring_stale(self, period: float) -> None:
-        """A lane whose caller completes (``polled``) and stopped ending iterations (the
-        end of training, an evaluation): what it issued over ``period`` ago goes to the
-        completion thread, which frees it and whose wait the watchdog times (lock held)."""
-        if not (self.polled and self.in_flight and self.must_complete < self.head_seq):
-            return
-        head = self.in_flight[0]
-        issued = head.t_first_ns if head.chunk is None else head.chunk.t_dispatch_ns
-        if time.time_ns() - issued > period * 1e9:
-            self._ring()
 
     def _issue(self, chunk: Chunk, step: int) -> None:
         req = chunk.request
@@ -1403,7 +1417,7 @@ class _Lane:
         # After a failure the completion thread may be stuck in a collective that will
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
-        self.watchdog.join(timeout=1)      # (wakes at `stopping`)
+        self.watchdog.thread.join(timeout=1)      # (wakes at `stopping`)
 
 
 def _settle_outcome(req: Request) -> None:
