@@ -53,15 +53,18 @@ issuing a collective, so it is woken only for what somebody waits on: a step who
 gloo future or gloo next step is needed, or whose padded copy should be freed ("urgent"),
 the end of a dispatched iteration, ``drain()``, or ``LAZY_ITEMS`` unfinished steps. On CUDA
 with an unbounded credit window (and no tuner) nothing is urgent and it is not woken at all
-in steady state (``polled``): an iteration's untimed steps go into one batch, sealed at the
-end of the iteration by one event recorded after the newest step of each group (NCCL runs a
-group's collectives in issue order), and the caller's next ``end_iteration`` completes what
-those events say the device finished (a query each, no wait). A thread woken as the device
-finishes would take the GIL when the training thread is busiest, at the start of the next
-step. The watchdog hands the completion thread whatever stays in flight longer than its
-period (a caller that stopped ending iterations). Every end event is timed: a step or
-batch completed after it finished gets its host-clock end from its event. With telemetry
-(or the tuner) on, each step gets timing events of its own.
+in steady state (``polled``): an iteration's untimed steps go into one batch, closed at the
+end of the iteration, and the caller's next ``end_iteration`` completes the batches whose
+newest collective reports completion (``Work.is_completed()``, a query of the process
+group's own event; NCCL runs a group's collectives in issue order). No event or stream of
+the lane's is involved: a wait of the done stream on the collective, under one hardware
+queue (CUDA_DEVICE_MAX_CONNECTIONS=1), would hold up whatever is queued behind it. A
+thread woken as the device finishes would take the GIL when the training thread is
+busiest, at the start of the next step. The watchdog hands the completion thread whatever
+stays in flight longer than its period (a caller that stopped ending iterations); only
+then does a batch get an event after it ("sealed"), for that thread to wait on. Every end
+event is timed: a step completed after it finished gets its host-clock end from its
+event. With telemetry (or the tuner) on, each step gets timing events of its own.
 
 Dispatch thread (``Config.dispatch="thread"``, off by default): ``submit`` records the ready
 event and queues the request, and a thread per lane issues it. It costs a GIL hand-off per
@@ -825,7 +828,7 @@ class _Lane:
                     if self.tuner is not None:    # autotune: layouts, windows, in order
                         self.tuner.iteration_dispatched(it)
                     if self.polled:
-                        self._seal_newest()       # the caller completes it, later
+                        self._close_newest()      # the caller completes it, later
                     else:
                         self._ring()              # complete the iteration's chunks
                     self.idle.notify_all()
@@ -1037,7 +1040,7 @@ class _Lane:
         in_flight = self.in_flight
         if self.polled:
             if in_flight[-1].count >= LAZY_ITEMS:
-                self._seal_newest()
+                self._close_newest()
             elif len(in_flight) >= POLLED_ITEMS:
                 self._ring()
         elif len(in_flight) >= LAZY_ITEMS or in_flight[-1].count >= LAZY_ITEMS:
@@ -1146,12 +1149,15 @@ class _Lane:
             self.must_complete = newest
             self.wake.notify()
 
-    def _seal_newest(self) -> None:
-        """Close the open batch, if any, with its end event (lock held)."""
-        if self.in_flight and self.in_flight[-1].end is None:
-            item = self.in_flight[-1]
-            item.open = False
-            self._seal(item)
+    def _close_newest(self) -> None:
+        """End the open batch, if any (lock held), with no event: the caller tells that it
+        finished from its newest collective (``Work.is_completed()``, a query of the
+        process group's own event). An event of the lane's would take a wait of its done
+        stream on the collective; where the device has one hardware queue
+        (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM sets it) such a wait holds up
+        whatever is queued behind it on any stream until the collective ends."""
+        if self.in_flight and self.in_flight[-1].open:
+            self.in_flight[-1].open = False
 
     def _seal(self, item: _InFlight) -> None:
         """Give ``item`` an end event after every step issued so far (on each group's
@@ -1214,14 +1220,15 @@ class _Lane:
         it, and on CUDA what precedes it finished first) and any finished after it; lock
         held. Everything that finished is completed under one lock acquisition: fewer
         hand-offs of the GIL between this thread and the training thread. ``waited`` None
-        (CUDA, the caller polls): the sealed items at the head that finished."""
+        (CUDA, the caller polls): the closed items at the head that finished."""
         batch = []
         in_flight = self.in_flight
         seen = waited is None
         while in_flight:
             item = in_flight[0]
             if seen and not (item.end.query() if item.end is not None
-                             else waited is not None and item.work.is_completed()):
+                             else (waited is not None or not item.open)
+                             and item.work.is_completed()):
                 break
             in_flight.popleft()
             self.head_seq += 1
