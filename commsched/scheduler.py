@@ -546,6 +546,8 @@ class _Lane:
         self.completion_batches = 0
         self.thread_batches = 0                   # of which the completion thread's
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
+        self.sum_options = all_reduce_options(_SUM)
+        self.avg_options = all_reduce_options(_AVG)
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
         self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
@@ -599,6 +601,11 @@ class _Lane:
         self.watchdog = _Watchdog(self)
 
     def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
+        # (SUM and AVG by identity first: hashing a ReduceOp costs more than the rest)
+        if reduce_op is _SUM:
+            return self.sum_options
+        if reduce_op is _AVG:
+            return self.avg_options
         options = self.options.get(reduce_op)
         if options is None:
             options = self.options[reduce_op] = all_reduce_options(reduce_op)

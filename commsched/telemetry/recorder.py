@@ -3,7 +3,8 @@
 Threads of one rank and what each may do::
 
     training thread     on_iteration(), step()   enqueue + Event.set (+ NVTX)   never I/O
-    completion thread   on_chunk()               enqueue                        never I/O
+    completion thread   on_chunks()              enqueue                        never I/O
+      (or the training thread, at its end of iteration, on CUDA without a credit window)
     commsched-nvml      NVML queries -> enqueue samples                         (sampler.py)
     commsched-telemetry SQLite writes and commits                               (writer.py)
 
@@ -82,12 +83,13 @@ class Recorder(Observer):
 
     # --- Observer ----------------------------------------------------------------------------
     def on_chunk(self, record: ChunkRecord) -> None:
-        """A chunk step finished (completion thread): enqueue it."""
+        """A chunk step finished (completion thread or end of iteration): enqueue it."""
         if self._enabled:
             self._writer.put(record)
 
     def on_chunks(self, records: List[ChunkRecord]) -> None:
-        """Chunk steps that finished together (completion thread): one enqueue."""
+        """Chunk steps that finished together (completion thread or end of iteration): one
+        enqueue."""
         if self._enabled:
             self._writer.put(records)
 
