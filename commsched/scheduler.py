@@ -261,7 +261,7 @@ class _InFlight:
 
 class _Iteration:
     """One lane iteration: the requests submitted between two end_iteration() calls, and
-    the dispatch cursor over them."""
+    the dispatch cursor over them (it owns the cursor: ``peek``; the lane moves it)."""
 
     __slots__ = ("index", "requests", "by_key", "flushed", "plan", "profile", "resolved",
                  "planned", "plan_pos", "req_pos", "chunk_pos", "t_first_ns", "crc",
@@ -284,6 +284,32 @@ class _Iteration:
         self.t_first_ns = 0
         self.crc = 0                  # COMMSCHED_VERIFY: digest of the dispatch sequence
         self.sequence: List[tuple] = []
+
+    def peek(self):
+        """The chunk the order issues next (the cursor does not move past it), None while
+        it waits for a request not submitted yet, ``_DONE`` once everything of the ended
+        iteration was taken: the plan's chunks whose request came with the planned chunk
+        count, in plan order, then every other request's chunks in submission order."""
+        plan = self.plan
+        if plan is not None:
+            order = plan.order
+            while self.plan_pos < len(order):
+                key, index = order[self.plan_pos]
+                req = self.by_key.get(key)
+                if req is not None and plan.layout.get(key) == len(req.chunks):
+                    return req.chunks[index]
+                if req is None and not self.flushed:
+                    return None               # head of line: wait for this request
+                self.plan_pos += 1            # not in this iteration, or not as planned
+        requests = self.requests
+        while self.req_pos < len(requests):
+            req = requests[self.req_pos]
+            if self.chunk_pos < len(req.chunks) and not (
+                    plan is not None and plan.layout.get(req.key) == len(req.chunks)):
+                return req.chunks[self.chunk_pos]
+            self.req_pos += 1
+            self.chunk_pos = 0
+        return _DONE if self.flushed else None
 
 
 _DONE = object()
@@ -670,7 +696,7 @@ class _Lane:
         it.by_key[req.key] = req
         req.at_once = True
         if plan is None:
-            it.req_pos += 1                   # (what _peek would find: req fully issued)
+            it.req_pos += 1                   # (what peek() would find: req fully issued)
         else:
             it.plan_pos += 1
         self._admit(chunk)
@@ -824,7 +850,7 @@ class _Lane:
                     if it.profile is not None:
                         self.plan = self._exchange_profile_and_plan(it.profile)
                     it.plan, it.resolved = self.plan, True
-                chunk = self._peek(it)
+                chunk = it.peek()
                 if chunk is None:
                     return
                 if chunk is _DONE:
@@ -865,28 +891,6 @@ class _Lane:
         self.bytes_dispatched += chunk.nbytes
         if self.in_flight_bytes > self.peak_in_flight_bytes:
             self.peak_in_flight_bytes = self.in_flight_bytes
-
-    def _peek(self, it: _Iteration):
-        plan = it.plan
-        if plan is not None:
-            order = plan.order
-            while it.plan_pos < len(order):
-                key, index = order[it.plan_pos]
-                req = it.by_key.get(key)
-                if req is not None and plan.layout.get(key) == len(req.chunks):
-                    return req.chunks[index]
-                if req is None and not it.flushed:
-                    return None               # head of line: wait for this request
-                it.plan_pos += 1              # not in this iteration, or not as planned
-        requests = it.requests
-        while it.req_pos < len(requests):
-            req = requests[it.req_pos]
-            if it.chunk_pos < len(req.chunks) and not (
-                    plan is not None and plan.layout.get(req.key) == len(req.chunks)):
-                return req.chunks[it.chunk_pos]
-            it.req_pos += 1
-            it.chunk_pos = 0
-        return _DONE if it.flushed else None
 
     def _exchange_profile_and_plan(self, profile: List[RequestProfile]) -> Plan:
         """Reduce the readiness profile with MAX over the group and build the plan.
