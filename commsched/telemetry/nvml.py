@@ -1,7 +1,8 @@
 """NVML access for the NVLink sampler: a narrow backend interface, the real ``pynvml``
 backend, a deterministic fake for tests, and topology discovery.
 
-Facts this module relies on (measured: docs/nvlink-counters.md):
+Facts this module relies on (measured:
+benchmarks/nvlink_counters_2xH200_2026-11-27.md):
 
 * NVLink traffic is read with ``nvmlDeviceGetFieldValues`` fields 138/139 (DATA TX/RX) and
   140/141 (RAW TX/RX, about 24% above DATA: protocol overhead), cumulative uint64 KiB.

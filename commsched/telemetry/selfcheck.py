@@ -4,7 +4,7 @@ Runs NCCL all-reduces of known sizes with the recorder and the NVLink sampler on
 compares each measurement window's DATA TX/RX bytes summed over links with the ring
 all-reduce payload of a rank, ``ops * 2 (n-1) / n * bytes``. Every window must be within
 ``RATIO_TOLERANCE`` (the median and the worst window are reported); what it found on 2x
-H200 is in docs/nvlink-counters.md.
+H200 is in benchmarks/nvlink_counters_2xH200_2026-11-27.md.
 
 Measurement protocol. NVML's cumulative NVLink counters lag the traffic: read right after
 ``torch.cuda.synchronize()`` they may miss the tail of a ~1 ms all-reduce, which then shows
