@@ -24,7 +24,8 @@ SLIVER = 8
 
 class Chunk:
     """One schedulable unit: a contiguous piece of an all-reduce, or the same piece of
-    every shard of a reduce-scatter / all-gather. Carries its dispatch-time state."""
+    every shard of a reduce-scatter / all-gather. Carries its dispatch-time state.
+    ``request`` is None once the lane is done with the chunk (see scheduler._release)."""
 
     __slots__ = (
         "request", "index", "offset", "numel", "nbytes",
@@ -59,7 +60,8 @@ class Chunk:
                 for i in range(req.world_size)]
 
     def __repr__(self) -> str:
-        return (f"Chunk({self.request.key!r}#{self.index}, offset={self.offset}, "
+        key = "released" if self.request is None else repr(self.request.key)
+        return (f"Chunk({key}#{self.index}, offset={self.offset}, "
                 f"numel={self.numel}, bytes={self.nbytes})")
 
 

@@ -879,9 +879,10 @@ class _Lane:
             if step and not self.stream_ordered and chunk.steps_done < step:
                 self._ring()                      # dispatch waits for a completion
                 return
+            nsteps = len(chunk.request.steps)     # (read first: _issue may release it)
             self._issue(chunk, step)
             self.cur_step = step + 1
-            if self.cur_step == len(chunk.request.steps):
+            if self.cur_step == nsteps:
                 self.cur_chunk = None
 
     def _admit(self, chunk: Chunk) -> None:
@@ -1024,6 +1025,8 @@ class _Lane:
             self._ring()
         elif self.must_complete < self.head_seq:  # (not while the completion thread is at it)
             self._bound_in_flight()
+        if last and self.cuda and chunk.works is None:
+            chunk.request = None              # batched: nothing reads it again (_release)
 
     def _issue_direct(self, req: Request, chunk: Chunk) -> None:
         """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
@@ -1040,6 +1043,7 @@ class _Lane:
             else issue_step(chunk, 0))
         req.outcome = True
         self._batch(chunk, 0, True, work)
+        chunk.request = None                  # (_release)
         if self.must_complete < self.head_seq:    # (not while the completion thread is at it)
             self._bound_in_flight()
 
@@ -1273,6 +1277,7 @@ class _Lane:
         t_seen = time.time_ns()
         records = []
         finished = []
+        released: List[Chunk] = []
         failed: List[Request] = []
         with self.lock:
             if waited is None:
@@ -1323,6 +1328,7 @@ class _Lane:
                     # list-form all-gather), and a request and its chunks reference each
                     # other: kept here, it would live until the cycle collector ran.
                     chunk.works = None
+                    released.append(chunk)
                     self.in_flight_bytes -= chunk.nbytes
                     req.remaining -= 1
                     if req.remaining == 0 and not self.cuda:
@@ -1346,6 +1352,7 @@ class _Lane:
             if self.tuner is not None:        # autotune: rank 0's profile of device times
                 for record in built:
                     self.tuner.on_chunk(record)
+        _release(released)
         for _, _, start, _, _, _ in records:
             if start is not None:
                 self.events.append(start)
@@ -1436,6 +1443,17 @@ class _Lane:
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
         self.watchdog.thread.join(timeout=1)      # (wakes at `stopping`)
+
+
+def _release(chunks: List[Chunk]) -> None:
+    """Chunks whose last step completed let go of their request: a request and its chunks
+    reference each other, and a cycle left in place would be freed by Python's cycle
+    collector only, whose collections a lean step must not trigger (each costs the
+    training thread a pause that grows with the process's heap). Once a chunk's last step
+    was issued in a batch (CUDA, nothing completes it one by one) or completed, nothing
+    reads ``chunk.request`` again; ``request.chunks`` stays."""
+    for chunk in chunks:
+        chunk.request = None
 
 
 def _settle_outcome(req: Request) -> None:

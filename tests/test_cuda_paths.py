@@ -173,10 +173,14 @@ def _hook_futures(rank, world):
     fake_cuda.install()
     from commsched import Config
 
+    from test_hot_path import scheduler_garbage
+
     reference = _train(None, rank)
     for config in (Config(),                       # every bucket issued at once
                    Config(partition_bytes=512, credit_bytes=1024, profile_iters=1)):
-        params = _train(config, rank)
+        params = []
+        # (and the lane's batches and completions leave no request-chunk cycle behind)
+        assert scheduler_garbage(lambda: params.extend(_train(config, rank))) == []
         for a, b in zip(params, reference):
             assert torch.equal(a, b), config
 

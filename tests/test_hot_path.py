@@ -6,6 +6,7 @@ In-process tests on a one-rank gloo group; ``issue_step`` is wrapped to record w
 issued and from where, and the reference values are plain sums computed here.
 """
 
+import gc
 import threading
 
 import pytest
@@ -96,4 +97,39 @@ def test_a_wait_before_the_iteration_ended_completes_the_request(world1):
     req = sched.submit(torch.full((32,), 5.0), key=0)
     assert torch.equal(req.wait(), torch.full((32,), 5.0))
     sched.end_iteration()
+    sched.close()
+
+
+def scheduler_garbage(run) -> list:
+    """The Requests and Chunks that ``run()`` left to Python's cycle collector."""
+    from commsched.partition import Chunk
+    from commsched.scheduler import Request
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run()
+        gc.collect()
+        return [o for o in gc.garbage if isinstance(o, (Request, Chunk))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+@pytest.mark.parametrize("config", [Config(), Config(partition_bytes=64, credit_bytes=128)],
+                         ids=["default", "partitioned"])
+def test_finished_requests_leave_no_reference_cycle(world1, config):
+    """A request and its chunks reference each other until the lane is done with them; a
+    cycle left behind would cost the training thread cycle-collector pauses."""
+    sched = Scheduler(config)
+
+    def run():
+        for _ in range(3):
+            requests = [sched.submit(torch.full((64,), float(i)), key=i) for i in range(4)]
+            sched.end_iteration()
+            for i, request in enumerate(requests):
+                assert torch.equal(request.wait(), torch.full((64,), float(i)))
+        sched.drain(timeout=30)
+
+    assert scheduler_garbage(run) == []
     sched.close()

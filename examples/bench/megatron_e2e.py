@@ -211,6 +211,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--log-interval", type=int, default=10,
+                        help="Megatron's --log-interval (default 10); 1 logs every iteration")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="profile rank 0 of every run with torch.profiler over the 3 "
+                             "iterations after --skip; the Chrome trace goes to "
+                             "DIR/<run>/torch_profile/rank-0.json.gz (read it with "
+                             "trace_overlap.py)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each run's log goes (default: next to --out)")
     parser.add_argument("--run-timeout", type=float, default=300.0,
@@ -225,7 +232,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--megatron {args.megatron}: no pretrain_gpt.py there")
     if args.rounds < 1 or args.train_iters <= args.skip:
         parser.error("--rounds must be >= 1 and --train-iters larger than --skip")
+    if args.log_interval < 1:
+        parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.profile_dir is not None and args.train_iters < args.skip + 4:
+        parser.error("--profile-dir profiles iterations skip+1 .. skip+3: --train-iters "
+                     "must be at least --skip + 4")
     return args
+
+
+def extra_args(args: argparse.Namespace, run_name: str) -> str:
+    """pretrain_gpt.py arguments appended by run_gpt.sh (``EXTRA_ARGS``) for one run."""
+    extra = ["--log-interval", str(args.log_interval)]
+    if args.profile_dir is not None:
+        # Megatron writes the trace next to the TensorBoard directory.
+        extra += ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
+                  "--profile-step-start", str(args.skip + 1),
+                  "--profile-step-end", str(args.skip + 4),
+                  "--tensorboard-dir", str(args.profile_dir.resolve() / run_name / "tb")]
+    return " ".join(extra)
 
 
 def main(argv=None) -> int:
@@ -272,7 +296,9 @@ def main(argv=None) -> int:
                     order = variants if round_ % 2 else variants[::-1]
                     run["order"] = [variant for variant, _ in order]
                     for variant, script in order:
-                        log_path = log_dir / f"{regime}_{setting}_r{round_}_{variant}.log"
+                        name = f"{regime}_{setting}_r{round_}_{variant}"
+                        log_path = log_dir / f"{name}.log"
+                        env["EXTRA_ARGS"] = extra_args(args, name)
                         env["MASTER_PORT"] = str(benchlib.free_port())
                         print(f"[megatron] {regime} {setting} round {round_}: {variant}",
                               flush=True)

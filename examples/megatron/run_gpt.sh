@@ -12,7 +12,8 @@
 # parameter all-gathers (--use-distributed-optimizer --overlap-grad-reduce
 # --overlap-param-gather); OVERLAP=grad overlaps the gradient all-reduces with the backward
 # (--overlap-grad-reduce); without either, gradients are all-reduced after the backward.
-# NUM_LAYERS, HIDDEN_SIZE, NUM_HEADS set the model (default 12, 768, 12).
+# NUM_LAYERS, HIDDEN_SIZE, NUM_HEADS set the model (default 12, 768, 12); EXTRA_ARGS is
+# appended to pretrain_gpt.py's arguments (a later flag overrides an earlier one).
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -97,4 +98,5 @@ torchrun ${DISTRIBUTED_ARGS[@]} pretrain_gpt.py \
     ${TRAINING_ARGS[@]} \
     ${MODEL_PARALLEL_ARGS[@]} \
     ${DATA_ARGS[@]} \
-    ${EVAL_AND_LOGGING_ARGS[@]}
+    ${EVAL_AND_LOGGING_ARGS[@]} \
+    ${EXTRA_ARGS:-}
