@@ -101,3 +101,17 @@ def test_the_launcher_only_variant_runs_under_the_launcher_with_nothing_patched(
     assert "launcher/stock" in megatron_e2e.table(doc["summary"])
     assert doc["runs"][0]["order"] == ["stock", "patched", "launcher"]
     assert doc["runs"][1]["order"] == ["launcher", "patched", "stock"]
+
+
+def test_the_median_interval_ratio_is_not_moved_by_one_slow_iteration():
+    def run(ms):
+        iterations = list(range(1, len(ms) + 1))
+        return {"error": None, "iterations": iterations, "ms": ms, "loss": [1.0] * len(ms)}
+    stock = run([900.0, 200.0, 200.0, 200.0, 2000.0])        # a stall in the last one
+    patched = run([900.0, 210.0, 210.0, 210.0, 210.0])
+    summary = megatron_e2e.summarize(
+        [{"regime": "host", "setting": "no_overlap", "round": 1, "stock": stock,
+          "patched": patched}], skip=1)["host/no_overlap"]
+    assert summary["ratio"] == pytest.approx(210.0 / 650.0)   # means: the stall dominates
+    assert summary["ratio_interval_median"] == pytest.approx(1.05)
+    assert "patched/stock (median interval)" in megatron_e2e.table({"k": summary})

@@ -19,11 +19,12 @@ which separates what the launcher costs from what the scheduler does.
 
 Reported per regime and setting: the median over rounds of each run's mean time per logged
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
-launcher / stock), and whether the losses were identical at every logged iteration of every
-round. The model is
-the protocol's GPT (24 layers x 1024, seq 1024, micro-batch 8; ``--layers``, ``--hidden``,
-``--micro-batch``). commsched is put on the workers' path from this checkout (no install
-needed). Output: JSON (``--out``), every run's log under ``--log-dir``, a table last.
+launcher / stock), the same ratio of the median logged interval of all rounds pooled
+(``--log-interval 1``: of the median iteration), and whether the losses were identical at
+every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
+seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``). commsched is put
+on the workers' path from this checkout (no install needed). Output: JSON (``--out``),
+every run's log under ``--log-dir``, a table last.
 Exit status 1 when a run failed or its log had no iteration times.
 """
 
@@ -81,15 +82,20 @@ def parse_megatron_log(text: str) -> MegatronLog:
     return MegatronLog(iterations, ms, loss)
 
 
-def steady_ms(log: MegatronLog, skip: int) -> float:
-    """Mean time per iteration over the logged intervals that start after ``skip``
+def steady_intervals(log: MegatronLog, skip: int) -> List[float]:
+    """The time per iteration of every logged interval that starts after ``skip``
     iterations (the first intervals include compilation and warm-up)."""
     kept = [ms for it, ms, prev in zip(log.iterations, log.ms, [0] + log.iterations[:-1])
             if prev >= skip]
     if not kept:
         raise ValueError(f"no logged interval after iteration {skip} (logged: "
                          f"{log.iterations}); run more iterations or lower --skip")
-    return statistics.fmean(kept)
+    return kept
+
+
+def steady_ms(log: MegatronLog, skip: int) -> float:
+    """Mean time per iteration over the logged intervals after ``skip`` iterations."""
+    return statistics.fmean(steady_intervals(log, skip))
 
 
 def commsched_site(tmp: Path) -> Path:
@@ -131,9 +137,12 @@ VARIANTS = ("stock", "patched", "launcher")
 
 
 def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
-    """Per (regime, setting): each variant's ms (median over rounds, min-max), patched /
-    stock (``ratio``) and launcher / stock (``launcher_ratio``, where it ran), and whether
-    every variant's losses matched stock's in every round."""
+    """Per (regime, setting): each variant's ms (median over rounds of each run's mean,
+    min-max), patched / stock (``ratio``) and launcher / stock (``launcher_ratio``, where
+    it ran); the same ratios of the median logged interval of all rounds pooled
+    (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
+    slow iteration of a host-bound run does not move); and whether every variant's losses
+    matched stock's in every round."""
     out: Dict[str, object] = {}
     for run in runs:
         key = f"{run['regime']}/{run['setting']}"
@@ -150,8 +159,10 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row["errors"].append(f"{name} round {run['round']}: {result['error']}")
             else:
                 try:
-                    values.append(steady_ms(MegatronLog(
-                        result["iterations"], result["ms"], result["loss"]), skip))
+                    kept = steady_intervals(MegatronLog(
+                        result["iterations"], result["ms"], result["loss"]), skip)
+                    values.append(statistics.fmean(kept))
+                    row.setdefault(f"{name}_intervals_ms", []).extend(kept)
                 except ValueError as exc:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
             if result["error"] or stock["error"] or result.get("loss") != stock.get("loss"):
@@ -161,11 +172,18 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
             values = row.get(f"{name}_ms")
             if values is not None:
                 row[f"{name}_median_ms"] = statistics.median(values) if values else None
+            intervals = row.get(f"{name}_intervals_ms")
+            if intervals:
+                row[f"{name}_interval_median_ms"] = statistics.median(intervals)
         for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
             if f"{name}_ms" not in row:
                 continue
             row[ratio] = (row[f"{name}_median_ms"] / row["stock_median_ms"]
                           if row["stock_median_ms"] and row[f"{name}_median_ms"] else None)
+            typical = row.get(f"{name}_interval_median_ms")
+            row[f"{ratio}_interval_median"] = (
+                typical / row["stock_interval_median_ms"]
+                if typical and row.get("stock_interval_median_ms") else None)
     return out
 
 
@@ -181,14 +199,17 @@ def table(summary: Dict[str, object]) -> str:
 
         def ratio(key):
             return f"{row[key]:.3f}" if row.get(key) else None
-        extra = [cell("launcher"), ratio("launcher_ratio")] if launcher else []
+        extra = [cell("launcher"), ratio("launcher_ratio"),
+                 ratio("launcher_ratio_interval_median")] if launcher else []
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
-                     ratio("ratio"), *extra, "yes" if row["losses_equal"] else "NO",
+                     ratio("ratio"), ratio("ratio_interval_median"), *extra,
+                     "yes" if row["losses_equal"] else "NO",
                      "; ".join(row["errors"])[:120] or None])
-    extra = ["launcher only ms/iter", "launcher/stock"] if launcher else []
+    extra = (["launcher only ms/iter", "launcher/stock", "launcher/stock (median interval)"]
+             if launcher else [])
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
-         *extra, "losses equal", "note"], rows)
+         "patched/stock (median interval)", *extra, "losses equal", "note"], rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
