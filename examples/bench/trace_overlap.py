@@ -3,8 +3,8 @@
     python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8]
 
 Reads Chrome traces written by torch.profiler (the harness writes them with
-``BENCH_PROFILE=DIR``) and prints, per trace, per profiled iteration (``--iters``, the
-harness's ``BENCH_WINDOW``):
+``BENCH_PROFILE=DIR``, megatron_e2e.py with ``--profile-dir``) and prints, per trace, per
+profiled iteration (``--iters``: the harness's ``BENCH_WINDOW``, 3 for megatron_e2e.py):
 
 * span: first to last GPU activity of the window;
 * compute: union of the intervals of every GPU activity that is not an NCCL kernel
