@@ -145,6 +145,8 @@ def test_sizes_read_like_nccl_tests_and_grow_by_the_factor():
     (["--world-size", "2", "--factor", "1"], "--factor"),
     (["--world-size", "2", "--variants", "nccl,ring"], "--variants"),
     (["--world-size", "2", "--max-bytes", "32MB"], "--max-bytes"),
+    (["--world-size", "2", "--rounds", "0"], "--rounds"),
+    (["--world-size", "2", "--rounds", "2", "--telemetry-root", "t"], "--rounds"),
 ])
 def test_bad_arguments_are_reported_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -167,3 +169,45 @@ def test_repeats_time_several_windows_and_keep_the_median(tmp_path):
         windows = row["time_us_windows_rank0"]
         assert len(windows) == 3 and all(is_positive(w) for w in windows), row
         assert row["wrong"] == 0
+
+
+def test_rounds_alternate_the_variant_order_and_keep_the_median(tmp_path):
+    out = tmp_path / "busbw.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "busbw.py"), "--world-size", "2", "--min-bytes", "128",
+         "--max-bytes", "512", "--warmup", "1", "--iters", "2", "--rounds", "3",
+         "--variants", "nccl,none", "--cpu", "--timeout", "100", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, explain(proc)
+    progress = [line.split(":")[0].split()[-3:] for line in proc.stdout.splitlines()
+                if line.startswith("[busbw] nvlink w2 ")]
+    assert progress == [["nccl", "(round", "1/3)"], ["none", "(round", "1/3)"],
+                        ["none", "(round", "2/3)"], ["nccl", "(round", "2/3)"],
+                        ["nccl", "(round", "3/3)"], ["none", "(round", "3/3)"]]
+    document = json.loads(out.read_text())
+    assert document["settings"]["rounds"] == 3
+    assert len(document["rows"]) == 2 * 2                  # 2 variants x sizes 128, 512
+    for row in document["rows"]:
+        rounds = row["time_us_rounds"]
+        assert len(rounds) == 3 and all(is_positive(t) for t in rounds), row
+        assert row["time_us"] == sorted(rounds)[1]
+        assert row["algbw_gbps"] == pytest.approx(row["size"] / row["time_us"] / 1e3)
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])     # 2(n-1)/n = 1
+        assert row["wrong"] == 0
+
+
+def test_merge_round_takes_the_median_and_adds_up_wrong_elements():
+    def sweep(time_us, wrong):
+        return {"wall_s": 1.0, "rows": [{
+            "size": 1000, "time_us": time_us, "time_us_max_rank": time_us + 1,
+            "algbw_gbps": 1000 / time_us / 1e3, "busbw_gbps": 1.5 * 1000 / time_us / 1e3,
+            "wrong": wrong}]}
+    merged = None
+    for time_us, wrong in ((10.0, 0), (30.0, 2), (20.0, 1)):
+        merged = busbw.merge_round(merged, sweep(time_us, wrong))
+    row = merged["rows"][0]
+    assert merged["rounds"] == 3 and merged["wall_s"] == 3.0
+    assert row["time_us_rounds"] == [10.0, 30.0, 20.0] and row["time_us"] == 20.0
+    assert row["time_us_max_rank"] == 21.0 and row["wrong"] == 3
+    assert row["algbw_gbps"] == pytest.approx(0.05)
+    assert row["busbw_gbps"] == pytest.approx(0.075)

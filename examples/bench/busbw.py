@@ -31,6 +31,10 @@ sampling). The ``--iters`` timed messages of a size are one scheduler iteration:
 ``submit`` calls back to back, ``end_iteration``, then ``wait`` for each (so, as in
 nccl-tests, operations queue behind each other instead of each waiting for the last).
 
+With ``--rounds R`` the sweep over the variants runs R times, their order reversed every
+other round, and per size the median over rounds is the time per operation: the variants
+then see the same drift of the machine over the launch. Compare variants with R >= 3.
+
 Per size: ``--warmup`` untimed operations, then ``--repeats`` windows (default 1) of
 ``--iters`` back to back between device synchronizations, in place on a float32 buffer of
 zeros (the contents do not change a collective's speed, and zeros summed in place cannot
@@ -286,6 +290,7 @@ class LaunchSpec:
     warmup: int
     iters: int
     repeats: int
+    rounds: int
     variants: Tuple[str, ...]
     telemetry_root: Optional[str]
     base_config: Any                 # commsched.Config, parsed once in the parent
@@ -404,11 +409,38 @@ def run_variant(worker: Worker, name: str) -> Dict[str, Any]:
             "wall_s": round(time.monotonic() - started, 2), "rows": rows}
 
 
+def merge_round(merged: Optional[Dict[str, Any]], result: Dict[str, Any]) -> Dict[str, Any]:
+    """``result``, one sweep of a variant over the sizes, added to the rounds before it:
+    per size the time per operation (and the bandwidths from it) becomes the median over
+    rounds, ``time_us_rounds`` lists each round's, ``wrong`` adds up; the rest (windows,
+    NVLink bytes, lane iterations) stays the first round's."""
+    if merged is None:
+        for row in result["rows"]:
+            row["time_us_rounds"] = [row["time_us"]]
+            row["time_us_max_rank_rounds"] = [row["time_us_max_rank"]]
+        result["rounds"] = 1
+        return result
+    for row, new in zip(merged["rows"], result["rows"]):
+        row["time_us_rounds"].append(new["time_us"])
+        row["time_us_max_rank_rounds"].append(new["time_us_max_rank"])
+        row["time_us"] = statistics.median(row["time_us_rounds"])
+        row["time_us_max_rank"] = statistics.median(row["time_us_max_rank_rounds"])
+        factor = row["busbw_gbps"] / row["algbw_gbps"]      # 2(n-1)/n
+        row["algbw_gbps"] = row["size"] / (row["time_us"] * 1e-6) / 1e9
+        row["busbw_gbps"] = row["algbw_gbps"] * factor
+        row["wrong"] += new["wrong"]
+    merged["rounds"] += 1
+    merged["wall_s"] = round(merged["wall_s"] + result["wall_s"], 2)
+    return merged
+
+
 def progress_line(spec: LaunchSpec, result: Dict[str, Any]) -> str:
     rows = result["rows"]
     largest = rows[-1]
     wrong = sum(r["wrong"] for r in rows)
-    return (f"[busbw] {spec.regime} w{spec.world_size} {result['name']}: {len(rows)} sizes "
+    rounds = f" (round {result['rounds']}/{spec.rounds})" if spec.rounds > 1 else ""
+    return (f"[busbw] {spec.regime} w{spec.world_size} {result['name']}{rounds}: "
+            f"{len(rows)} sizes "
             f"{human_bytes(rows[0]['size'])}..{human_bytes(largest['size'])} in "
             f"{result['wall_s']:.1f} s; busbw {gbps(largest['busbw_gbps'])} GB/s at "
             f"{human_bytes(largest['size'])}; #wrong {wrong}"
@@ -428,12 +460,16 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
                            "system": benchlib.system_info() if rank == 0 else {},
                            "variants": {}}
     try:
-        for name in spec.variants:
-            result = run_variant(worker, name)
-            if rank == 0:
-                doc["variants"][name] = result
-                print(progress_line(spec, result), flush=True)
-                benchlib.write_json(Path(spec.result_path), doc)
+        results: Dict[str, Dict[str, Any]] = {}
+        for round_ in range(spec.rounds):
+            order = spec.variants if round_ % 2 == 0 else spec.variants[::-1]
+            for name in order:
+                result = merge_round(results.get(name), run_variant(worker, name))
+                results[name] = result
+                if rank == 0:
+                    doc["variants"][name] = result
+                    print(progress_line(spec, result), flush=True)
+                    benchlib.write_json(Path(spec.result_path), doc)
     finally:
         worker.links.close()
         dist.destroy_process_group()
@@ -528,6 +564,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed windows of --iters ops per size; the median window "
                              "counts (default 1; 5 or more for numbers to compare)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="sweeps over every variant, alternating their order; per size "
+                             "the median over rounds counts (default 1; 3 or more for "
+                             "ratios, so that a drift of the machine during the launch "
+                             "does not count against whichever variant ran then)")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
                         help=f"comma-separated subset of {','.join(VARIANTS)} or all "
                              f"(default {DEFAULT_VARIANTS})")
@@ -564,6 +605,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--iters {args.iters}: must be >= 1")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be >= 1")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be >= 1")
+    if args.rounds > 1 and args.telemetry_root:
+        parser.error("--rounds > 1 with --telemetry-root: each round would reopen the "
+                     "variant's telemetry store; record telemetry in a launch of one round")
     if args.timeout <= 0 or args.collective_timeout <= 0:
         parser.error("--timeout and --collective-timeout must be > 0")
     names = list(VARIANTS) if args.variants.strip() == "all" else [
@@ -616,11 +662,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             "dtype": "float32", "redop": "sum", "in_place": True,
             "min_bytes": args.min_bytes, "max_bytes": args.max_bytes, "factor": args.factor,
             "sizes": list(args.sizes), "warmup": args.warmup, "iters": args.iters,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "rounds": args.rounds,
             "variants": list(args.variants), "telemetry_root": args.telemetry_root,
             "timeout_s": args.timeout, "collective_timeout_s": args.collective_timeout,
             "time_definition": "per op: the median window's timed total / iters, mean "
-                               "over ranks (slowest rank: time_us_max_rank)",
+                               "over ranks (slowest rank: time_us_max_rank); with rounds, "
+                               "the median over rounds (time_us_rounds)",
             "bus_factor": bus_factor(args.world_size),
         },
         "parent_env": benchlib.relevant_env(),
@@ -631,7 +678,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="commsched-busbw-") as tmp:
         spec = LaunchSpec(args.world_size, args.local_size, args.regime, backend, args.sizes,
-                          args.warmup, args.iters, args.repeats, args.variants,
+                          args.warmup, args.iters, args.repeats, args.rounds, args.variants,
                           args.telemetry_root,
                           args.base_config, benchlib.free_port(),
                           min(args.collective_timeout, args.timeout), str(Path(tmp) / "w.json"))
