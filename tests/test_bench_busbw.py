@@ -155,15 +155,20 @@ def test_bad_arguments_are_reported_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
-def test_repeats_time_several_windows_and_keep_the_median(tmp_path):
+def small_run(tmp_path, *flags):
+    """busbw.py on CPU, 2 ranks, nccl and none at 128 and 512 B, with ``flags``."""
     out = tmp_path / "busbw.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "busbw.py"), "--world-size", "2", "--min-bytes", "128",
-         "--max-bytes", "512", "--warmup", "1", "--iters", "2", "--repeats", "3",
+         "--max-bytes", "512", "--warmup", "1", "--iters", "2", *flags,
          "--variants", "nccl,none", "--cpu", "--timeout", "100", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, explain(proc)
-    document = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_repeats_time_several_windows_and_keep_the_median(tmp_path):
+    _, document = small_run(tmp_path, "--repeats", "3")
     assert document["settings"]["repeats"] == 3
     for row in document["rows"]:
         windows = row["time_us_windows_rank0"]
@@ -172,19 +177,12 @@ def test_repeats_time_several_windows_and_keep_the_median(tmp_path):
 
 
 def test_rounds_alternate_the_variant_order_and_keep_the_median(tmp_path):
-    out = tmp_path / "busbw.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "busbw.py"), "--world-size", "2", "--min-bytes", "128",
-         "--max-bytes", "512", "--warmup", "1", "--iters", "2", "--rounds", "3",
-         "--variants", "nccl,none", "--cpu", "--timeout", "100", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, explain(proc)
+    proc, document = small_run(tmp_path, "--rounds", "3")
     progress = [line.split(":")[0].split()[-3:] for line in proc.stdout.splitlines()
                 if line.startswith("[busbw] nvlink w2 ")]
     assert progress == [["nccl", "(round", "1/3)"], ["none", "(round", "1/3)"],
                         ["none", "(round", "2/3)"], ["nccl", "(round", "2/3)"],
                         ["nccl", "(round", "3/3)"], ["none", "(round", "3/3)"]]
-    document = json.loads(out.read_text())
     assert document["settings"]["rounds"] == 3
     assert len(document["rows"]) == 2 * 2                  # 2 variants x sizes 128, 512
     for row in document["rows"]:
