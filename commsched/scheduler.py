@@ -1025,8 +1025,6 @@ class _Lane:
             self._ring()
         elif self.must_complete < self.head_seq:  # (not while the completion thread is at it)
             self._bound_in_flight()
-        if last and self.cuda and chunk.works is None:
-            chunk.request = None              # batched: nothing reads it again (_release)
 
     def _issue_direct(self, req: Request, chunk: Chunk) -> None:
         """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
@@ -1043,7 +1041,6 @@ class _Lane:
             else issue_step(chunk, 0))
         req.outcome = True
         self._batch(chunk, 0, True, work)
-        chunk.request = None                  # (_release)
         if self.must_complete < self.head_seq:    # (not while the completion thread is at it)
             self._bound_in_flight()
 
@@ -1075,6 +1072,7 @@ class _Lane:
         if last:
             batch.nbytes += chunk.nbytes
             chunk.works = None            # (nothing completes it one by one)
+            chunk.request = None          # nothing reads it again: see _release
 
     def _close_batch(self) -> None:
         """An item of its own follows: the open batch ends, with an event of its own (the
@@ -1144,9 +1142,9 @@ class _Lane:
             return True                   # the credit it returns may be what dispatch waits for
         if chunk.staging is not None:
             return True                   # a padded copy: free it as soon as it is done
-        req = chunk.request
         if self.cuda:
             return False                  # futures resolve at dispatch, steps are stream-ordered
+        req = chunk.request
         # CPU: the chunk's next step, the recorded device times (no events to recover them
         # from later), and a future somebody waits for need the completion when it
         # happens. Other futures resolve with the iteration's batch (woken at its end):
@@ -1241,9 +1239,7 @@ class _Lane:
         seen = waited is None
         while in_flight:
             item = in_flight[0]
-            if seen and not (item.end.query() if item.end is not None
-                             else (waited is not None or not item.open)
-                             and item.work.is_completed()):
+            if seen and not self._finished(item, polled=waited is None):
                 break
             in_flight.popleft()
             self.head_seq += 1
@@ -1253,6 +1249,17 @@ class _Lane:
                 self._wait(item)          # returns at once; surfaces a failure
             batch.append(item)
         return batch
+
+    @staticmethod
+    def _finished(item: _InFlight, polled: bool) -> bool:
+        """Whether ``item`` finished on the device, never blocking: its end event, else its
+        newest collective. A caller polling (``polled``) leaves the batch still open (the
+        iteration's, which later steps may join) to its next end of iteration."""
+        if item.end is not None:
+            return item.end.query()
+        if polled and item.open:
+            return False
+        return item.work.is_completed()
 
     def _end_times(self, batch: List[_InFlight], t_seen: int) -> List[int]:
         """Host-clock time at which each item finished on the device. With CUDA timing
@@ -1446,12 +1453,13 @@ class _Lane:
 
 
 def _release(chunks: List[Chunk]) -> None:
-    """Chunks whose last step completed let go of their request: a request and its chunks
+    """Chunks the lane is done with let go of their request: a request and its chunks
     reference each other, and a cycle left in place would be freed by Python's cycle
     collector only, whose collections a lean step must not trigger (each costs the
     training thread a pause that grows with the process's heap). Once a chunk's last step
-    was issued in a batch (CUDA, nothing completes it one by one) or completed, nothing
-    reads ``chunk.request`` again; ``request.chunks`` stays."""
+    went into a completion batch (CUDA: nothing completes it one by one, ``_batch``) or
+    completed (``_complete``), nothing reads ``chunk.request`` again; ``request.chunks``
+    stays."""
     for chunk in chunks:
         chunk.request = None
 

@@ -19,7 +19,9 @@ all would queue every copy behind the last collective, which costs more than the
 (see ``benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md``). On CPU the futures resolve
 when the collectives finished.
 
-Averaging is DDP's: the bucket is divided by the group size, then summed.
+Averaging is DDP's: the bucket divided by the group size, then summed. On NCCL with a
+power-of-two group the collective averages instead (``ReduceOp.AVG``: the same values,
+one pass over the bucket less; see ``Scheduler.submit``).
 """
 
 from typing import Dict, Optional, Tuple

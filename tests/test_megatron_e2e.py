@@ -24,10 +24,38 @@ def test_the_log_excerpt_gives_every_logged_iteration_with_its_time_and_loss():
 
 def test_the_steady_time_leaves_out_the_intervals_of_the_first_iterations():
     log = megatron_e2e.parse_megatron_log(open(LOG).read())
-    assert megatron_e2e.steady_ms(log, skip=10) == pytest.approx((186.6 + 201.3) / 2)
-    assert megatron_e2e.steady_ms(log, skip=0) == pytest.approx(sum(log.ms) / 4)
+    assert megatron_e2e.steady_intervals(log, skip=10) == [186.6, 201.3]
+    assert megatron_e2e.steady_intervals(log, skip=0) == log.ms
     with pytest.raises(ValueError, match="no logged interval after iteration 30"):
-        megatron_e2e.steady_ms(log, skip=30)
+        megatron_e2e.steady_intervals(log, skip=30)
+
+
+def test_extra_args_log_every_iteration_and_profile_three_after_skip(tmp_path):
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    base = ["--megatron", str(tmp_path), "--train-iters", "30", "--skip", "10"]
+    args = megatron_e2e.parse_args(base + ["--log-interval", "1"])
+    assert megatron_e2e.extra_args(args, "run") == "--log-interval 1"
+    args = megatron_e2e.parse_args(base + ["--profile-dir", str(tmp_path / "prof")])
+    extra = megatron_e2e.extra_args(args, "nvlink_no_overlap_r1_stock").split()
+    assert extra[:2] == ["--log-interval", "10"] and "--use-pytorch-profiler" in extra
+    value = {flag: extra[i + 1] for i, flag in enumerate(extra) if flag.startswith("--")
+             and i + 1 < len(extra) and not extra[i + 1].startswith("--")}
+    assert (value["--profile-step-start"], value["--profile-step-end"]) == ("11", "14")
+    assert value["--profile-ranks"] == "0"
+    assert value["--tensorboard-dir"] == str(tmp_path / "prof" / "nvlink_no_overlap_r1_stock"
+                                             / "tb")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--log-interval", "0"], "--log-interval"),
+    (["--train-iters", "12", "--skip", "10", "--profile-dir", "p"], "--profile-dir"),
+])
+def test_bad_measurement_flags_are_reported(tmp_path, capsys, flags, message):
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        megatron_e2e.parse_args(["--megatron", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", [

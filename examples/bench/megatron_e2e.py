@@ -93,11 +93,6 @@ def steady_intervals(log: MegatronLog, skip: int) -> List[float]:
     return kept
 
 
-def steady_ms(log: MegatronLog, skip: int) -> float:
-    """Mean time per iteration over the logged intervals after ``skip`` iterations."""
-    return statistics.fmean(steady_intervals(log, skip))
-
-
 def commsched_site(tmp: Path) -> Path:
     """A directory holding the commsched package as installed (hooks/ and
     megatron_patches/ inside it), for the workers' PYTHONPATH."""
