@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import dataclasses
 import threading
 import time
@@ -96,7 +97,7 @@ from .partition import Chunk, partition
 from .plan import LinkCost, Plan, RequestProfile, lane_plan
 from .safety import check_agreement, first_divergence, step_crc
 from .topology import Topology, local_size_from_env
-from .telemetry.device_clock import host_times_ns
+from .telemetry.device_clock import EventClock
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 from .threads import start_thread
 
@@ -458,19 +459,28 @@ class _Watchdog:
     and hands the completion thread what a lane whose caller completes (``polled``) left
     in flight longer than its period (the caller stopped ending iterations: the end of
     training, an evaluation), which the completion thread then frees and this thread
-    times. Owns its period and thread; reads the lane's state under the lane's lock."""
+    times; and renews the anchor of the lane's event clock, where it has one, so that
+    mapping end events onto the host clock never waits on the thread that completes them.
+    Owns its period and thread; reads the lane's state under the lane's lock."""
 
     __slots__ = ("lane", "period", "thread")
 
     def __init__(self, lane: "_Lane"):
         self.lane = lane
-        self.period = min(max(lane.timeout_s / 10.0, 0.05), 5.0)
+        self.period = min(max(lane.timeout_s / 10.0, 0.05), 5.0,
+                          EventClock.REFRESH_S if lane.cuda else math.inf)
         self.thread = start_thread(self._run, f"commsched-{lane.name}-watchdog",
                                    f"cs-{lane.name}-watchdog")
 
     def _run(self) -> None:
         lane = self.lane
         while not lane.stopping.wait(self.period):
+            clock = lane.clock
+            if clock is not None:
+                try:
+                    clock.refresh()           # (not under the lock: it waits for the device)
+                except RuntimeError:
+                    pass                      # a failing device: the wait below reports it
             with lane.lock:
                 if lane.failure is not None:
                     return
@@ -615,10 +625,9 @@ class _Lane:
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
-            self.clock_stream = torch.cuda.Stream(device)     # idle: maps events to host time
-            # (not blocking: it completes at once, and a sleeping wait would add its wake-up
-            # latency to every mapped time)
-            self.clock_event = torch.cuda.Event(enable_timing=True)
+        # Maps end events onto the host clock (_end_times): made where first needed, its
+        # anchor renewed by the watchdog.
+        self.clock: Optional[EventClock] = None
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
         self.thread = start_thread(self._completion_loop, f"commsched-{name}",
                                    f"cs-{name}-complete")
@@ -1263,16 +1272,17 @@ class _Lane:
 
     def _end_times(self, batch: List[_InFlight], t_seen: int) -> List[int]:
         """Host-clock time at which each item finished on the device. With CUDA timing
-        events: its end event mapped onto the host clock through an event recorded now on
-        an idle stream (the thread may get to an item long after it finished); otherwise
+        events: its end event mapped onto the host clock by the lane's ``EventClock`` (the
+        thread may get to an item long after it finished; no wait there); otherwise
         when the thread saw it finish. Completion batches alone need no time (nothing
         reads it, see ``_complete_batch``): no mapping then."""
         if (not self.cuda or any(item.end is None for item in batch)
                 or all(item.chunk is None for item in batch)):
             return [t_seen] * len(batch)
+        if self.clock is None:
+            self.clock = EventClock(torch.cuda.Stream(self.device))      # (idle stream)
         try:
-            return host_times_ns([item.end for item in batch], self.clock_stream,
-                                 self.clock_event)
+            return self.clock.host_times_ns([item.end for item in batch])
         except RuntimeError:              # an event that did not complete (a failure)
             return [t_seen] * len(batch)
 

@@ -90,8 +90,6 @@ def install() -> None:
         self.cuda = self.stream_ordered = True
         self.batched = self.lean and not self.timed and not self.config.credit_bytes
         self.polled = not self.config.credit_bytes and self.tuner is None
-        self.launch_stream, self.done_stream, self.clock_stream = (
-            FakeStream(), FakeStream(), FakeStream())
-        self.clock_event = FakeEvent()
+        self.launch_stream, self.done_stream = FakeStream(), FakeStream()
 
     scheduler._Lane.__init__ = init

@@ -9,6 +9,7 @@ DDP. With 2 ranks every sum is a + b, so results must be bitwise equal. Streams 
 devices themselves: ``tests/gpu``.
 """
 
+import threading
 import time
 
 import torch
@@ -73,7 +74,18 @@ def _cuda_paths(rank, world):
 
     # A plan that holds requests back (priorities against submission order, link time
     # measured by telemetry): held ones wait on a ready event, go from the launch stream,
-    # and offer no work of their own to wait on.
+    # and offer no work of their own to wait on. The caller completes the timed steps and
+    # maps their end events onto the host clock without waiting for the device, bar once
+    # for the clock's first anchor (the watchdog renews it).
+    from commsched.telemetry.device_clock import EventClock
+    anchors = []
+    refresh = EventClock.refresh
+
+    def counted_refresh(clock):
+        anchors.append(threading.get_ident())
+        refresh(clock)
+
+    EventClock.refresh = counted_refresh
     records = _Records()
     sched = commsched.Scheduler(Config(partition_bytes=1024, profile_iters=1),
                                 observer=records)
@@ -89,6 +101,9 @@ def _cuda_paths(rank, world):
     assert [r.iteration for r in records.iterations] == list(range(5))
     assert lane.link_cost.nbytes > 0            # per-step events: measured
     assert sched.stats()["thread_batches"] <= 1      # (drain's)
+    assert sched.stats()["completion_batches"] >= 4
+    assert anchors.count(threading.get_ident()) == 1
+    EventClock.refresh = refresh
     sched.close()
 
     # A credit window: per-step end events, the completion thread returns the credit.

@@ -5,7 +5,8 @@ host runs ahead of a busy GPU, the device gets there long after the host did, an
 time would count the rest of the device's backward as communication left exposed. The
 writer thread asks :class:`DeviceClock` for the device time instead, once the event
 completed: against an event recorded then on an idle stream of the same device (which
-completes at once), as the scheduler times its collectives.
+completes at once). The scheduler times its collectives with :class:`EventClock`, which
+keeps such an event as an anchor so that the thread completing them never waits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..observer import DeviceMark
 
-__all__ = ["DeviceClock", "host_times_ns"]
+__all__ = ["DeviceClock", "EventClock", "host_times_ns"]
 
 
 def host_times_ns(events: Sequence, stream, clock) -> List[int]:
@@ -27,6 +28,48 @@ def host_times_ns(events: Sequence, stream, clock) -> List[int]:
     clock.synchronize()
     t_now = time.time_ns()
     return [t_now - int(event.elapsed_time(clock) * 1e6) for event in events]
+
+
+class EventClock:
+    """Maps timed CUDA events of one device onto ``time.time_ns()`` without a wait on the
+    calling thread: each event's elapsed time from an anchor, a timed event recorded on an
+    idle stream whose host time was read as it completed. :meth:`refresh` waits for a new
+    anchor (spinning, for the host time to be close: the first call, then a thread that may
+    block for a moment, the lane's watchdog, every ``REFRESH_S``). The device's timer and
+    the host clock drift apart; a young anchor keeps that drift out of the mapped times,
+    and the elapsed times short enough for their float32 milliseconds to resolve a
+    microsecond.
+
+    Example::
+        clock = EventClock(torch.cuda.Stream())
+        ends = clock.host_times_ns([end_event])     # end_event timed and completed
+    """
+
+    REFRESH_S = 1.0
+
+    __slots__ = ("stream", "anchor")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.anchor: Optional[Tuple[object, int]] = None
+
+    def refresh(self) -> None:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        event.synchronize()
+        self.anchor = (event, time.time_ns())
+
+    def host_times_ns(self, events: Sequence) -> List[int]:
+        """Host-clock times at which the device got to ``events`` (timed, completed; before
+        or after the anchor). Raises RuntimeError for an event that cannot be timed."""
+        anchor = self.anchor
+        if anchor is None:
+            self.refresh()
+            anchor = self.anchor
+        event, t_anchor = anchor
+        return [t_anchor + int(event.elapsed_time(e) * 1e6) for e in events]
 
 
 class DeviceClock:

@@ -74,8 +74,13 @@ _SQL["iterations"] = _insert_sql("iterations", "INSERT OR REPLACE")
 _SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 
 # An iteration record with a flush mark waits until the device got there: the writer looks
-# every MARK_POLL_S while one waits, and a flush or close waits up to MARK_WAIT_S for it.
+# after MARK_POLL_S, then at intervals doubling up to MARK_POLL_MAX_S while the device has
+# not got there, and a flush or close waits up to MARK_WAIT_S for it. Each look takes the
+# GIL from the training thread, and where the host runs far ahead of a busy GPU the mark
+# is reached tens of milliseconds later: a fixed short interval would take it dozens of
+# times per iteration. The interval decides when the record is stored, not its times.
 MARK_POLL_S = 0.002
+MARK_POLL_MAX_S = 0.032
 MARK_WAIT_S = 2.0
 
 
@@ -110,6 +115,8 @@ class StoreWriter:
         # Iteration records waiting, in order, for the device to reach their flush mark.
         self._marked: "collections.deque[IterationRecord]" = collections.deque()
         self.device_clock: Optional[DeviceClock] = None     # created at the first mark
+        self.mark_polls = 0                 # looks at a mark the device had not reached
+        self._mark_poll_s = MARK_POLL_S
 
     # --- producer side -----------------------------------------------------------------------
     def put(self, message: object) -> None:
@@ -140,11 +147,14 @@ class StoreWriter:
         while True:
             timeout = max(0.0, self._deadline - time.monotonic()) if self._in_tx else None
             if self._marked:
-                timeout = MARK_POLL_S if timeout is None else min(timeout, MARK_POLL_S)
+                poll = self._mark_poll_s
+                timeout = poll if timeout is None else min(timeout, poll)
             try:
                 msg = self._q.get(timeout=timeout)
             except queue.Empty:
                 resolved = self._guarded(self._resolve_marks)
+                self._mark_poll_s = (MARK_POLL_S if resolved or not self._marked
+                                     else min(2 * self._mark_poll_s, MARK_POLL_MAX_S))
                 if resolved or (self._in_tx and time.monotonic() >= self._deadline):
                     self._guarded(self._commit)
                 continue
@@ -182,6 +192,7 @@ class StoreWriter:
                     self.device_clock = DeviceClock()
                 done, t_device = self.device_clock.host_ns(mark)
                 if not done:
+                    self.mark_polls += 1
                     if time.monotonic() < deadline:
                         time.sleep(MARK_POLL_S / 4)
                         continue

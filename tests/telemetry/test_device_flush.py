@@ -73,6 +73,7 @@ def test_records_wait_in_order_for_a_mark_the_device_reaches_later(tmp_path):
     path = rank_path(str(tmp_path), 0)
     writer = StoreWriter(create_store(path), 0)
     writer.device_clock = Clock()
+    t_start = time.monotonic()
     writer.start()
     for m in messages:
         writer.put(m)
@@ -88,8 +89,13 @@ def test_records_wait_in_order_for_a_mark_the_device_reaches_later(tmp_path):
             if got == expected or time.monotonic() > deadline:
                 return got
 
-    # Iteration 1's record waits behind iteration 0's, whose mark is not reached yet.
+    # Iteration 1's record waits behind iteration 0's, whose mark is not reached yet. The
+    # writer looks at it less and less often, from 2 ms to one look per MARK_POLL_MAX_S
+    # (each look takes the GIL from a training thread): not one every 2 ms.
     assert all(t is None for t in flushes().values())
+    waited = time.monotonic() - t_start
+    assert 1 <= writer.mark_polls <= waited / writer_module.MARK_POLL_MAX_S + 10, (
+        writer.mark_polls, waited)
     late[1].flush_mark.event.reached = True          # the writer sees it while polling
     expected = {0: T0 + 40 * MS, 1: T0 + 120 * MS}
     assert flushes(expected) == expected
@@ -151,3 +157,48 @@ def test_host_times_are_now_less_each_event_s_lead_over_a_clock_recorded_now(mon
     monkeypatch.setattr(device_clock.time, "time_ns", lambda: 10 * MS)
     got = device_clock.host_times_ns([Timed(2.0), Timed(0.5)], "idle", ClockEvent())
     assert got == [8 * MS, int(9.5 * MS)]
+
+
+def test_event_clock_maps_events_from_its_anchor_and_waits_only_to_renew_it(monkeypatch):
+    import torch
+
+    from commsched.telemetry import device_clock
+
+    waits = []
+
+    class Event:
+        """A device timer reading in ms; ``elapsed_time`` as CUDA: ``other`` less this."""
+
+        def __init__(self, ms=None, enable_timing=False):
+            self.ms = ms
+
+        def record(self, stream):
+            self.ms = stream.now_ms
+
+        def synchronize(self):
+            waits.append(self.ms)
+
+        def elapsed_time(self, other):
+            return other.ms - self.ms
+
+    class Stream:
+        now_ms = 100.0
+
+    now = [10 * MS]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(device_clock.time, "time_ns", lambda: now[0])
+    stream = Stream()
+    clock = device_clock.EventClock(stream)
+    # The first mapping waits for an anchor: device 100 ms is host 10 ms.
+    assert clock.host_times_ns([Event(102.0), Event(99.5)]) == [12 * MS, int(9.5 * MS)]
+    assert waits == [100.0]
+    # Later mappings read elapsed times from the anchor, without a wait.
+    assert clock.host_times_ns([Event(130.0)]) == [40 * MS]
+    assert waits == [100.0]
+    # A renewed anchor (the device timer ran 1 us slow against the host's): mappings
+    # follow it, events from before it included.
+    stream.now_ms, now[0] = 1100.0, 1010 * MS + 1000
+    clock.refresh()
+    assert waits == [100.0, 1100.0]
+    assert clock.host_times_ns([Event(1099.0), Event(1101.0)]) == [
+        1009 * MS + 1000, 1011 * MS + 1000]
