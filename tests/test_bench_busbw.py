@@ -24,7 +24,8 @@ sys.path.insert(0, str(BENCH))
 import busbw  # noqa: E402
 
 SIZES = [128, 512, 2048, 8192]           # --min-bytes 128 --max-bytes 8K --factor 4
-VARIANTS = ["nccl", "none", "rs_ag", "hier", "leader", "auto"]
+VARIANTS = ["nccl", "nccl_async", "none", "rs_ag", "hier", "leader", "auto"]
+SCHEDULED = VARIANTS[2:]                  # the commsched variants
 WARMUP, ITERS = 1, 2
 ROW_KEYS = ("variant", "size", "count", "type", "redop", "time_us", "algbw_gbps",
             "busbw_gbps", "wrong", "lane_iterations")
@@ -76,7 +77,8 @@ def test_json_describes_the_run(run):
     assert document["env"]["NCCL_NVLS_ENABLE"] == "0"
     for key in ("torch", "cpu_count", "gpu_name"):
         assert key in document["system"]
-    for name in VARIANTS[1:]:
+    assert document["variants"]["nccl_async"]["config"] is None
+    for name in SCHEDULED:
         config = document["variants"][name]["config"]
         assert config["decompose"] == name and config["partition_bytes"] == 0
         assert config["credit_bytes"] == 0 and config["local_size"] == local
@@ -95,8 +97,8 @@ def test_every_variant_and_size_has_a_right_result(run):
         assert row["algbw_gbps"] == pytest.approx(size / (row["time_us"] * 1e3))
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (world - 1) / world)
         assert row["nvlink_tx_bytes_per_op"] is None        # CPU: no NVML counters
-        if variant == "nccl":
-            assert row["ran"] is None
+        if variant in ("nccl", "nccl_async"):
+            assert row["ran"] is None and row["lane_iterations"] is None
         elif variant == "auto":
             # One node: nothing to choose; several: one of the measured candidates.
             assert row["ran"] in (("none",) if world == local else ("none", "hier", "leader"))
@@ -111,7 +113,8 @@ def test_telemetry_has_one_lane_iteration_per_call(run):
     assert WARMUP > 0
     per_size = 3                                      # warm-up, timed, correctness check
     assert not (telemetry / f"nvlink_nccl_w{world}").exists()
-    for name in VARIANTS[1:]:
+    assert not (telemetry / f"nvlink_nccl_async_w{world}").exists()
+    for name in SCHEDULED:
         run_dir = telemetry / f"nvlink_{name}_w{world}"
         assert document["variants"][name]["telemetry_dir"] == str(run_dir)
         report = build_report(str(run_dir))

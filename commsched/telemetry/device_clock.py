@@ -36,9 +36,11 @@ class EventClock:
     idle stream whose host time was read as it completed. :meth:`refresh` waits for a new
     anchor (spinning, for the host time to be close: the first call, then a thread that may
     block for a moment, the lane's watchdog, every ``REFRESH_S``). The device's timer and
-    the host clock drift apart; a young anchor keeps that drift out of the mapped times,
-    and the elapsed times short enough for their float32 milliseconds to resolve a
-    microsecond.
+    the host clock drift apart by tens of microseconds a second
+    (benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md): mapped times are that close to
+    the host clock; durations, differences of one device's events, do not drift. A young
+    anchor also keeps elapsed times short enough for their float32 milliseconds to
+    resolve a microsecond.
 
     Example::
         clock = EventClock(torch.cuda.Stream())

@@ -15,6 +15,11 @@ always), and runs each variant over every message size from ``--min-bytes`` to
 
   nccl     plain ``dist.all_reduce``: the reference (named after nccl-tests; on CPU it is
            gloo's all-reduce)
+  nccl_async  plain ``dist.all_reduce(async_op=True)``, the ``--iters`` operations issued
+           back to back, then each waited for: what DDP's default hook issues. An
+           asynchronous collective runs on the process group's stream, which waits for the
+           caller's; a synchronous one (``nccl``) may skip that. The commsched variants are
+           asynchronous: this is the reference with their stream semantics.
   none     commsched ``Scheduler``, one all_reduce per message
   rs_ag    commsched: reduce_scatter + all_gather
   hier     commsched: intra-node reduce_scatter, inter-node all_reduce, intra-node all_gather
@@ -95,6 +100,7 @@ ELEMENT_BYTES = 4
 # name -> label (table headings); run order is the order given by --variants.
 VARIANTS: Dict[str, str] = {
     "nccl": "plain dist.all_reduce (reference)",
+    "nccl_async": "plain dist.all_reduce(async_op=True), waited after the window",
     "none": "commsched Scheduler, all_reduce",
     "rs_ag": "commsched, reduce_scatter + all_gather",
     "hier": "commsched, reduce_scatter:intra + all_reduce:inter + all_gather:intra",
@@ -103,6 +109,7 @@ VARIANTS: Dict[str, str] = {
 }
 DEFAULT_VARIANTS = "nccl,none,rs_ag,hier,leader,auto"
 REFERENCE = "nccl"
+PLAIN = ("nccl", "nccl_async")          # the variants without commsched
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,6 +159,31 @@ class PlainAllReduce:
     def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
         for _ in range(count):
             dist.all_reduce(tensor)
+
+    def iterations(self) -> Optional[int]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class PlainAsyncAllReduce:
+    """``count`` ``dist.all_reduce(async_op=True)`` in place, issued back to back, then
+    each waited for (the caller's stream waits for it on the device, as
+    ``CommschedAllReduce`` waits for its requests)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self) -> None:
+        self.works: List[Any] = []
+
+    def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
+        works = self.works
+        for _ in range(count):
+            works.append(dist.all_reduce(tensor, async_op=True))
+        for work in works:
+            work.wait()
+        works.clear()
 
     def iterations(self) -> Optional[int]:
         return None
@@ -213,8 +245,8 @@ class CommschedAllReduce:
 
 
 def variant_config(spec: "LaunchSpec", name: str):
-    """The commsched Config of variant ``name`` (None for the plain reference)."""
-    if name == REFERENCE:
+    """The commsched Config of variant ``name`` (None for a plain variant)."""
+    if name in PLAIN:
         return None
     changes = dict(enabled=True, decompose=name, partition_bytes=0, credit_bytes=0,
                    policy="fifo", autotune=False, telemetry_dir=telemetry_dir(spec, name))
@@ -224,7 +256,7 @@ def variant_config(spec: "LaunchSpec", name: str):
 
 
 def telemetry_dir(spec: "LaunchSpec", name: str) -> Optional[str]:
-    if spec.telemetry_root is None or name == REFERENCE:
+    if spec.telemetry_root is None or name in PLAIN:
         return None
     return str(Path(spec.telemetry_root) / f"{spec.regime}_{name}_w{spec.world_size}")
 
@@ -397,7 +429,8 @@ def run_variant(worker: Worker, name: str) -> Dict[str, Any]:
     """Every message size through variant ``name``; telemetry (if any) is open only for
     the duration of this call."""
     config = variant_config(worker.spec, name)
-    op = PlainAllReduce() if config is None else CommschedAllReduce(config, worker.device)
+    op = (CommschedAllReduce(config, worker.device) if config is not None
+          else PlainAllReduce() if name == REFERENCE else PlainAsyncAllReduce())
     started = time.monotonic()
     try:
         rows = [worker.measure(name, op, nbytes) for nbytes in worker.spec.sizes]
@@ -624,7 +657,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # commsched's Config is parsed once, here; a bad COMMSCHED_* variable is an argument
     # error, not a crash in every worker.
     args.base_config = None
-    if any(v != REFERENCE for v in args.variants):
+    if any(v not in PLAIN for v in args.variants):
         try:
             commsched = benchlib.import_commsched()
             from commsched.topology import local_size_from_env
