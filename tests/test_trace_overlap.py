@@ -65,6 +65,38 @@ def test_split_of_the_window_matches_the_timeline(tmp_path):
     assert (longest["gap_ms"], longest["at_ms"], longest["comm_ms"]) == pytest.approx(
         (0.040, 0.110, 0.020))
     assert (longest["after"], longest["before"]) == ("Memcpy DtoD", "gemm")
+    # The GPU ran nothing in [130,150): tenths of the 160 us span are 16 us, so 14 us of it
+    # fall in the ninth tenth [128,144) and 6 us in the last.
+    assert r["idle_by_tenth_ms"] == pytest.approx([0.0] * 8 + [0.014, 0.006])
+
+
+def runtime_call(name, ts, dur, tid):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid,
+            "pid": 1}
+
+
+def test_host_calls_per_thread_and_iteration(tmp_path, capsys):
+    calls = ([runtime_call("cudaLaunchKernel", k, 2, tid=11) for k in range(6)]
+             + [runtime_call("cudaEventQuery", 10 + k, 3, tid=11) for k in range(4)]
+             + [runtime_call("cudaStreamWaitEvent", 20, 4, tid=11)]
+             + [runtime_call("cudaLaunchKernel", 30 + k, 1, tid=22) for k in range(2)]
+             + [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 40,
+                 "dur": 6, "tid": 22, "pid": 1}])
+    path = write(tmp_path / "t.json.gz", EVENTS + calls)
+    gpu, host_events = trace_overlap.load_trace(path)
+    assert len(gpu) == len(EVENTS) - 1 and len(host_events) == len(calls)   # (not the cpu_op)
+    out = tmp_path / "r.json"
+    assert trace_overlap.main([path, "--iters", "2", "--host", "2", "--json", str(out)]) == 0
+    host = json.loads(out.read_text())[path]["host"]
+    # Per iteration (2): thread 11 made 11 calls (6 + 4 + 1) in 12 + 12 + 4 = 28 us.
+    assert host[0] == {"tid": 11, "calls": 5.5, "ms": pytest.approx(0.014),
+                       "top": [["cudaLaunchKernel", 3.0], ["cudaEventQuery", 2.0]]}
+    assert host[1] == {"tid": 22, "calls": 1.5, "ms": pytest.approx(0.004),
+                       "top": [["cudaLaunchKernel", 1.0], ["cuLaunchKernelEx", 0.5]]}
+    text = capsys.readouterr().out
+    assert "host thread 11: 6 CUDA calls (0.01 ms): cudaLaunchKernel 3, cudaEventQuery 2" in text
+    with pytest.raises(SystemExit):
+        trace_overlap.main([path, "--host", "-1"])
 
 
 def test_cli_reports_per_iteration_and_writes_json(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Where a profiled window's GPU time goes: compute, communication, their overlap, idle.
 
-    python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8]
+    python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8] [--host 8]
 
 Reads Chrome traces written by torch.profiler (the harness writes them with
 ``BENCH_PROFILE=DIR``, megatron_e2e.py with ``--profile-dir``) and prints, per trace, per
@@ -18,8 +18,14 @@ profiled iteration (``--iters``: the harness's ``BENCH_WINDOW``, 3 for megatron_
 * slowdown: for each compute kernel name seen at least 3 times with and 3 times without
   an NCCL kernel running beside it, the mean duration of the overlapped instances against
   the others, weighted by time: how much communication slows the compute it overlaps;
+* idle by tenth: the time the GPU ran nothing in each tenth of the window's span (where in
+  the iteration the device waits: the forward's launches, the backward's, its end);
 * the longest compute gaps (no compute on the GPU), with the kernels around them and how
-  much of each gap communication filled.
+  much of each gap communication filled;
+* with ``--host N``: per host thread, the CUDA runtime and driver calls it made per
+  iteration (count and time) and its N most frequent ones: what a mode adds to the
+  threads that launch the work (a profile recorded with CUDA activity has these calls
+  even without CPU operators).
 
 Standard library only: it runs where the traces were taken.
 """
@@ -40,13 +46,40 @@ MIN_SAMPLES = 3     # instances of a kernel name, alone and beside comm, for the
 Interval = Tuple[float, float]
 
 
-def load_events(path: str) -> List[dict]:
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def load_trace(path: str) -> Tuple[List[dict], List[dict]]:
+    """The trace's GPU activities and its host-side CUDA runtime/driver calls."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES
-            and e.get("dur", 0) > 0]
+    complete = [e for e in events if e.get("ph") == "X"]
+    return ([e for e in complete if e.get("cat") in GPU_CATEGORIES and e.get("dur", 0) > 0],
+            [e for e in complete if e.get("cat") in HOST_CATEGORIES])
+
+
+def load_events(path: str) -> List[dict]:
+    return load_trace(path)[0]
+
+
+def host_calls(calls: List[dict], iters: int, top: int) -> List[Dict[str, object]]:
+    """Per host thread (most calls first): CUDA calls per iteration, their time (ms) per
+    iteration, and the ``top`` most frequent names with their counts per iteration."""
+    by_thread: Dict[object, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
+    for e in calls:
+        by_thread[e.get("tid")][e["name"]].append(float(e.get("dur", 0)))
+    threads = []
+    for tid, names in by_thread.items():
+        count = sum(len(d) for d in names.values())
+        threads.append({
+            "tid": tid, "calls": count / iters,
+            "ms": sum(sum(d) for d in names.values()) / 1e3 / iters,
+            "top": [(name, len(d) / iters) for name, d in
+                    sorted(names.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]]})
+    threads.sort(key=lambda t: -t["calls"])
+    return threads
 
 
 def is_comm(event: dict) -> bool:
@@ -91,6 +124,14 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
     comm_u, compute_u = union([iv(e) for e in comm]), union([iv(e) for e in compute])
     all_u = union([iv(e) for e in events])
     span = all_u[-1][1] - all_u[0][0]
+    tenths = [0.0] * 10
+    origin = all_u[0][0]
+    for (_, idle_start), (idle_end, _) in zip(all_u, all_u[1:]):
+        for k in range(10):
+            lo = max(idle_start, origin + span * k / 10)
+            hi = min(idle_end, origin + span * (k + 1) / 10)
+            if hi > lo:
+                tenths[k] += hi - lo
     comm_starts = [s for s, _ in comm_u]
     hidden = sum(covered(s, e, comm_u, comm_starts) for s, e in compute_u)
 
@@ -133,6 +174,7 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
         "hidden_ms": hidden / 1e3,
         "exposed_ms": (length(comm_u) - hidden) / 1e3,
         "idle_ms": (span - length(all_u)) / 1e3,
+        "idle_by_tenth_ms": [t / 1e3 for t in tenths],
         "kernel_sum_ms": sum(float(e["dur"]) for e in compute if e["cat"] == "kernel") / 1e3,
         "comm_kernels": len(comm),
         "slowdown": (extra / base) if base else None,
@@ -151,9 +193,14 @@ def report(path: str, result: Dict[str, object], iters: int) -> str:
              f"  compute kernel sum {per('kernel_sum_ms'):.2f} ms; kernels beside comm run "
              + (f"{100 * result['slowdown']:+.1f}% ({per('slowdown_ms'):+.2f} ms)"
                 if result["slowdown"] is not None else "n/a")]
+    lines.append("  idle by tenth of the span (ms): "
+                 + " ".join(f"{t / iters:.2f}" for t in result["idle_by_tenth_ms"]))
     for g in result["gaps"]:
         lines.append(f"  gap {g['gap_ms']:.3f} ms at {g['at_ms']:.2f} (comm {g['comm_ms']:.3f}):"
                      f" {g['after']} -> {g['before']}")
+    for t in result.get("host", []):
+        lines.append(f"  host thread {t['tid']}: {t['calls']:.0f} CUDA calls ({t['ms']:.2f} ms): "
+                     + ", ".join(f"{name} {n:.0f}" for name, n in t["top"]))
     return "\n".join(lines)
 
 
@@ -165,13 +212,18 @@ def main(argv=None) -> int:
     parser.add_argument("--device", type=int, default=None,
                         help="GPU index in the trace (default: the one with most activity)")
     parser.add_argument("--gaps", type=int, default=6, help="longest compute gaps to list")
+    parser.add_argument("--host", type=int, default=0, metavar="N",
+                        help="per host thread, its CUDA calls per iteration and its N most "
+                             "frequent ones (0: off)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.iters < 1:
         parser.error("--iters must be >= 1")
+    if args.host < 0:
+        parser.error("--host must be >= 0")
     results = {}
     for path in args.traces:
-        events = load_events(path)
+        events, calls = load_trace(path)
         if not events:
             print(f"{path}: no GPU activity in the trace", file=sys.stderr)
             continue
@@ -182,6 +234,8 @@ def main(argv=None) -> int:
                 count[e.get("args", {}).get("device", 0)] += 1
             device = max(count, key=count.get)
         results[path] = analyse(events, device, args.gaps)
+        if args.host:
+            results[path]["host"] = host_calls(calls, args.iters, args.host)
         print(report(path, results[path], args.iters))
     if args.json:
         with open(args.json, "w") as f:
