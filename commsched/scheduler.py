@@ -459,8 +459,9 @@ class _Watchdog:
     and hands the completion thread what a lane whose caller completes (``polled``) left
     in flight longer than its period (the caller stopped ending iterations: the end of
     training, an evaluation), which the completion thread then frees and this thread
-    times; and renews the anchor of the lane's event clock, where it has one, so that
-    mapping end events onto the host clock never waits on the thread that completes them.
+    times; and, where the caller completes (``polled``) timed steps, renews the anchor of
+    the lane's event clock, so that mapping their end events onto the host clock never
+    waits on the caller's thread.
     Owns its period and thread; reads the lane's state under the lane's lock."""
 
     __slots__ = ("lane", "period", "thread")
@@ -468,14 +469,14 @@ class _Watchdog:
     def __init__(self, lane: "_Lane"):
         self.lane = lane
         self.period = min(max(lane.timeout_s / 10.0, 0.05), 5.0,
-                          EventClock.REFRESH_S if lane.cuda else math.inf)
+                          EventClock.REFRESH_S if lane.polled and lane.timed else math.inf)
         self.thread = start_thread(self._run, f"commsched-{lane.name}-watchdog",
                                    f"cs-{lane.name}-watchdog")
 
     def _run(self) -> None:
         lane = self.lane
         while not lane.stopping.wait(self.period):
-            clock = lane.clock
+            clock = lane.clock if lane.polled else None
             if clock is not None:
                 try:
                     clock.refresh()           # (not under the lock: it waits for the device)
@@ -625,8 +626,9 @@ class _Lane:
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
-        # Maps end events onto the host clock (_end_times): made where first needed, its
-        # anchor renewed by the watchdog.
+        # Maps end events onto the host clock (_end_times): made where first needed; its
+        # anchor renewed by the watchdog where the caller completes, else by the completion
+        # thread once it is older than EventClock.REFRESH_S.
         self.clock: Optional[EventClock] = None
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
         self.thread = start_thread(self._completion_loop, f"commsched-{name}",
@@ -1279,10 +1281,13 @@ class _Lane:
         if (not self.cuda or any(item.end is None for item in batch)
                 or all(item.chunk is None for item in batch)):
             return [t_seen] * len(batch)
-        if self.clock is None:
-            self.clock = EventClock(torch.cuda.Stream(self.device))      # (idle stream)
+        clock = self.clock
+        if clock is None:
+            clock = self.clock = EventClock(torch.cuda.Stream(self.device))    # (idle stream)
         try:
-            return self.clock.host_times_ns([item.end for item in batch])
+            if not self.polled and clock.age_s() > EventClock.REFRESH_S:
+                clock.refresh()           # (the completion thread: it may wait)
+            return clock.host_times_ns([item.end for item in batch])
         except RuntimeError:              # an event that did not complete (a failure)
             return [t_seen] * len(batch)
 

@@ -103,10 +103,12 @@ def _cuda_paths(rank, world):
     assert sched.stats()["thread_batches"] <= 1      # (drain's)
     assert sched.stats()["completion_batches"] >= 4
     assert anchors.count(threading.get_ident()) == 1
-    EventClock.refresh = refresh
     sched.close()
 
-    # A credit window: per-step end events, the completion thread returns the credit.
+    # A credit window: per-step end events, the completion thread returns the credit. It
+    # maps the end events itself, and takes the clock's anchor itself (it may wait): the
+    # watchdog does not touch the device for such a lane, nor does the caller.
+    anchors.clear()
     sched = commsched.Scheduler(Config(partition_bytes=512, credit_bytes=2048))
     _iterations(sched, rank, 4, backwards)
     lane = sched._lanes[group]
@@ -115,6 +117,8 @@ def _cuda_paths(rank, world):
     assert lane.in_flight_bytes == 0 and not lane.in_flight
     assert 0 < sched.stats()["peak_in_flight_bytes"] <= 2048 + 512
     assert sched.stats()["thread_batches"] > 0
+    assert set(anchors) == {lane.thread.ident}
+    EventClock.refresh = refresh
     sched.close()
 
     # A dispatch thread issues what the caller submits, from the launch stream after each

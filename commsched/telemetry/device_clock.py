@@ -11,6 +11,7 @@ keeps such an event as an anchor so that the thread completing them never waits.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -34,8 +35,9 @@ class EventClock:
     """Maps timed CUDA events of one device onto ``time.time_ns()`` without a wait on the
     calling thread: each event's elapsed time from an anchor, a timed event recorded on an
     idle stream whose host time was read as it completed. :meth:`refresh` waits for a new
-    anchor (spinning, for the host time to be close: the first call, then a thread that may
-    block for a moment, the lane's watchdog, every ``REFRESH_S``). The device's timer and
+    anchor (spinning, for the host time to be close): the first mapping, then, every
+    ``REFRESH_S``, a thread that may block for a moment (the lane's watchdog where the
+    caller maps, else the completion thread itself). The device's timer and
     the host clock drift apart by tens of microseconds a second
     (benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md): mapped times are that close to
     the host clock; durations, differences of one device's events, do not drift. A young
@@ -62,6 +64,11 @@ class EventClock:
         event.record(self.stream)
         event.synchronize()
         self.anchor = (event, time.time_ns())
+
+    def age_s(self) -> float:
+        """Seconds since the anchor was read (infinite before the first)."""
+        anchor = self.anchor
+        return math.inf if anchor is None else (time.time_ns() - anchor[1]) * 1e-9
 
     def host_times_ns(self, events: Sequence) -> List[int]:
         """Host-clock times at which the device got to ``events`` (timed, completed; before

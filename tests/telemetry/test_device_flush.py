@@ -10,6 +10,8 @@ import sqlite3
 import time
 import warnings
 
+import pytest
+
 from commsched.observer import DeviceMark
 from commsched.telemetry import writer as writer_module
 from commsched.telemetry.errors import TelemetryWarning
@@ -189,12 +191,15 @@ def test_event_clock_maps_events_from_its_anchor_and_waits_only_to_renew_it(monk
     monkeypatch.setattr(device_clock.time, "time_ns", lambda: now[0])
     stream = Stream()
     clock = device_clock.EventClock(stream)
+    assert clock.age_s() == float("inf")
     # The first mapping waits for an anchor: device 100 ms is host 10 ms.
     assert clock.host_times_ns([Event(102.0), Event(99.5)]) == [12 * MS, int(9.5 * MS)]
     assert waits == [100.0]
     # Later mappings read elapsed times from the anchor, without a wait.
     assert clock.host_times_ns([Event(130.0)]) == [40 * MS]
     assert waits == [100.0]
+    now[0] = 510 * MS
+    assert clock.age_s() == pytest.approx(0.5)
     # A renewed anchor (the device timer ran 1 us slow against the host's): mappings
     # follow it, events from before it included.
     stream.now_ms, now[0] = 1100.0, 1010 * MS + 1000
