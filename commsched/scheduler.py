@@ -79,8 +79,8 @@ from __future__ import annotations
 
 import atexit
 import collections
-import math
 import dataclasses
+import math
 import threading
 import time
 import weakref
@@ -461,8 +461,8 @@ class _Watchdog:
     training, an evaluation), which the completion thread then frees and this thread
     times; and, where the caller completes (``polled``) timed steps, renews the anchor of
     the lane's event clock, so that mapping their end events onto the host clock never
-    waits on the caller's thread.
-    Owns its period and thread; reads the lane's state under the lane's lock."""
+    waits on the caller's thread. Owns its period and thread; reads the lane's state under
+    the lane's lock."""
 
     __slots__ = ("lane", "period", "thread")
 

@@ -37,8 +37,8 @@ class EventClock:
     idle stream whose host time was read as it completed. :meth:`refresh` waits for a new
     anchor (spinning, for the host time to be close): the first mapping, then, every
     ``REFRESH_S``, a thread that may block for a moment (the lane's watchdog where the
-    caller maps, else the completion thread itself). The device's timer and
-    the host clock drift apart by tens of microseconds a second
+    caller maps, else the completion thread itself). The device's timer and the host clock
+    drift apart by tens of microseconds a second
     (benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md): mapped times are that close to
     the host clock; durations, differences of one device's events, do not drift. A young
     anchor also keeps elapsed times short enough for their float32 milliseconds to
