@@ -143,3 +143,99 @@ def test_the_median_interval_ratio_is_not_moved_by_one_slow_iteration():
     assert summary["ratio"] == pytest.approx(210.0 / 650.0)   # means: the stall dominates
     assert summary["ratio_interval_median"] == pytest.approx(1.05)
     assert "patched/stock (median interval)" in megatron_e2e.table({"k": summary})
+
+
+def test_the_log_lines_carry_their_timestamps():
+    import datetime
+
+    log = megatron_e2e.parse_megatron_log(open(LOG).read())
+    stamps = ["2026-11-27 13:21:31.147348", "2026-11-27 13:21:32.822165",
+              "2026-11-27 13:21:34.688506", "2026-11-27 13:21:36.701388"]
+    assert log.times == [datetime.datetime.fromisoformat(s).timestamp() for s in stamps]
+
+
+def _samples(path, rows):
+    import json
+
+    with open(path, "w") as f:
+        for t, threads in rows:
+            f.write(json.dumps({"t": t, "threads": threads}) + "\n")
+        f.write('{"t": 9')                # a line cut short as the process ended
+
+
+def test_thread_cpu_per_iteration_interpolates_each_thread_between_the_logged_marks(tmp_path):
+    log = megatron_e2e.MegatronLog([10, 20, 30], [1.0] * 3, [1.0] * 3, [100.0, 101.0, 102.0])
+    ms = 1_000_000
+    _samples(tmp_path / "rank0-pid1.jsonl", [
+        (99.5, {"1": ["main", 0], "2": ["pt_autograd_0", 0]}),
+        (100.5, {"1": ["main", 100 * ms], "2": ["pt_autograd_0", 40 * ms]}),
+        # a thread started at 101.2 s, one that ended after 101.5 s
+        (101.5, {"1": ["main", 200 * ms], "3": ["cs-g0-complete", 6 * ms]}),
+        (102.5, {"1": ["main", 300 * ms], "3": ["cs-g0-complete", 16 * ms]}),
+    ])
+    got = megatron_e2e.thread_cpu_per_iteration(tmp_path / "rank0-pid1.jsonl", log, skip=10)
+    # From 100.0 s (iteration 10) to 102.0 s (30), 20 iterations: main 50 -> 250 ms,
+    # pt_autograd_0 20 -> 40 (its last), cs-g0-complete 0 -> 11.
+    assert got["iterations"] == [10, 30] and got["samples"] == 4
+    assert got["threads_ms"] == {"main": 10.0, "pt_autograd_0": 1.0, "cs-g0-complete": 0.55}
+    assert got["process_ms"] == pytest.approx(11.55)
+    # The mark at or before --skip; not covered, or no timestamps: None.
+    assert megatron_e2e.thread_cpu_per_iteration(
+        tmp_path / "rank0-pid1.jsonl", log, skip=15)["iterations"] == [10, 30]
+    assert megatron_e2e.thread_cpu_per_iteration(
+        tmp_path / "rank0-pid1.jsonl", log._replace(times=[98.0, 101.0, 102.0]), 10) is None
+    assert megatron_e2e.thread_cpu_per_iteration(
+        tmp_path / "rank0-pid1.jsonl", log._replace(times=None), 10) is None
+    # A process the worker spawned samples itself into a file of its own: the rank's
+    # figure is the process that used the most CPU.
+    _samples(tmp_path / "rank0-pid2.jsonl", [(99.0, {"7": ["main", 0]}),
+                                              (103.0, {"7": ["main", 40 * ms]})])
+    assert megatron_e2e.rank_cpu_per_iteration(tmp_path, 0, log, 10)["process_ms"] == \
+        pytest.approx(11.55)
+    assert megatron_e2e.rank_cpu_per_iteration(tmp_path, 1, log, 10) is None
+
+
+def test_thread_cpu_measures_each_run_s_rank_0(tmp_path, monkeypatch):
+    """--thread-cpu on CPU: the stand-in spends 5 ms of its main thread's CPU an
+    iteration; each run reports it, and the table the process's CPU per variant."""
+    monkeypatch.setenv("BENCH_THREAD_CPU_PERIOD_S", "0.01")
+    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
+    out = tmp_path / "megatron.json"
+    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
+                              "no_overlap", "--rounds", "1", "--train-iters", "30",
+                              "--skip", "10", "--run-timeout", "240", "--thread-cpu",
+                              "--out", str(out)])
+    assert code == 0
+    import json
+    doc = json.loads(out.read_text())
+    run = doc["runs"][0]
+    for variant in ("stock", "patched"):
+        cpu = run[variant]["cpu"]
+        assert cpu["iterations"] == [10, 30] and cpu["samples"] > 10
+        assert 3.5 <= cpu["threads_ms"]["main"] <= 6.5, cpu     # (5: samples under load)
+        assert cpu["process_ms"] >= cpu["threads_ms"]["main"]
+    row = doc["summary"]["nvlink/no_overlap"]
+    assert row["stock_cpu_median_ms"] == run["stock"]["cpu"]["process_ms"]
+    assert "patched CPU ms/iter (rank 0)" in megatron_e2e.table(doc["summary"])
+
+
+def test_the_sampler_runs_in_ranks_only_and_the_shadowed_sitecustomize_still_runs(tmp_path):
+    import subprocess
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text(
+        "import os\nopen(os.environ['MARKER'], 'a').write('ran\\n')\n")
+    samples = tmp_path / "cpu"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(megatron_e2e.THREAD_CPU_SITE), str(other)]), MARKER=str(tmp_path / "marker"),
+        BENCH_THREAD_CPU_DIR=str(samples), BENCH_THREAD_CPU_PERIOD_S="0.01")
+    env.pop("RANK", None)
+    code = "import time; time.sleep(0.2)"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    assert not samples.exists()                         # no RANK: not a worker
+    subprocess.run([sys.executable, "-c", code], env=dict(env, RANK="3"), check=True,
+                   timeout=60)
+    files = list(samples.glob("rank3-pid*.jsonl"))
+    assert len(files) == 1 and len(files[0].read_text().splitlines()) >= 5
+    assert (tmp_path / "marker").read_text() == "ran\nran\n"

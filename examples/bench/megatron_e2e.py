@@ -25,12 +25,21 @@ every logged iteration of every round. The model is the protocol's GPT (24 layer
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``). commsched is put
 on the workers' path from this checkout (no install needed). Output: JSON (``--out``),
 every run's log under ``--log-dir``, a table last.
+
+``--thread-cpu``: every worker samples its threads' CPU time (``thread_cpu_site/``, put
+first on the workers' PYTHONPATH; every 0.2 s); each run then reports rank 0's CPU per
+iteration, per thread and for the process, between the logged iterations ``--skip`` and
+the last (from the timestamps of Megatron's log lines), and the table the process's,
+median over rounds: what a variant costs the host, where an iteration's time is the
+host's.
 Exit status 1 when a run failed or its log had no iteration times.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import re
 import shutil
@@ -45,6 +54,7 @@ import benchlib  # first: puts the checkout on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_SCRIPT = ROOT / "examples" / "megatron" / "run_gpt.sh"
+THREAD_CPU_SITE = Path(__file__).resolve().parent / "thread_cpu_site"
 SETTINGS = {"no_overlap": "0", "overlap_grad": "grad", "distopt_overlap": "1"}
 # NCCL environment of each regime (None: unset); NVLink multicast stays off.
 REGIMES: Dict[str, Dict[str, Optional[str]]] = {
@@ -56,6 +66,7 @@ REGIMES: Dict[str, Dict[str, Optional[str]]] = {
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
 _TIME = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9]+(?:\.[0-9]*)?)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.Ee]+)\s*\|")
+_STAMP = re.compile(r"^\s*\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]")
 
 
 class MegatronLog(NamedTuple):
@@ -64,22 +75,88 @@ class MegatronLog(NamedTuple):
     iterations: List[int]
     ms: List[float]          # elapsed time per iteration (ms), averaged over the interval
     loss: List[float]        # lm loss at the iteration
+    # when the line was logged (time.time() of the machine's local clock), None without
+    # a timestamp
+    times: Optional[List[Optional[float]]] = None
 
 
 def parse_megatron_log(text: str) -> MegatronLog:
-    """Every training-log line of ``text`` with its iteration, time per iteration and lm
-    loss. Raises ValueError when no line has all three (a failed or unfamiliar run)."""
-    iterations, ms, loss = [], [], []
+    """Every training-log line of ``text`` with its iteration, time per iteration, lm loss
+    and timestamp. Raises ValueError when no line has the first three (a failed or
+    unfamiliar run)."""
+    iterations, ms, loss, times = [], [], [], []
     for line in text.splitlines():
         it, time_ms, lm = _ITERATION.search(line), _TIME.search(line), _LOSS.search(line)
         if it and time_ms and lm:
             iterations.append(int(it.group(1)))
             ms.append(float(time_ms.group(1)))
             loss.append(float(lm.group(1)))
+            stamp = _STAMP.search(line)
+            times.append(datetime.datetime.fromisoformat(stamp.group(1)).timestamp()
+                         if stamp else None)
     if not iterations:
         raise ValueError("no Megatron-LM training log line with 'iteration N/M', 'elapsed "
                          "time per iteration (ms)' and 'lm loss'")
-    return MegatronLog(iterations, ms, loss)
+    return MegatronLog(iterations, ms, loss, times)
+
+
+def _cpu_at(series: List[tuple], t: float) -> int:
+    """A thread's CPU ns at ``t`` from its samples ``[(t, ns)]``: interpolated between the
+    samples around ``t``; 0 before its first (it had not started), its last after it."""
+    if t <= series[0][0]:
+        return 0 if t < series[0][0] else series[0][1]
+    for (t0, n0), (t1, n1) in zip(series, series[1:]):
+        if t <= t1:
+            return n0 + (n1 - n0) * (t - t0) / (t1 - t0)
+    return series[-1][1]
+
+
+def rank_cpu_per_iteration(directory: Path, rank: int, log: MegatronLog,
+                           skip: int) -> Optional[Dict[str, object]]:
+    """:func:`thread_cpu_per_iteration` of the process of ``rank`` that used the most CPU
+    (the worker itself, not a process it spawned), from ``directory``'s sample files."""
+    results = [thread_cpu_per_iteration(path, log, skip)
+               for path in sorted(directory.glob(f"rank{rank}-pid*.jsonl"))]
+    results = [r for r in results if r is not None]
+    return max(results, key=lambda r: r["process_ms"]) if results else None
+
+
+def thread_cpu_per_iteration(samples_path: Path, log: MegatronLog,
+                             skip: int) -> Optional[Dict[str, object]]:
+    """A process's CPU ms per iteration, per thread name and in all, between the logged
+    iteration ``skip`` (the last logged at or before it) and the last logged one, from the
+    samples ``thread_cpu_site`` wrote to ``samples_path`` and the log's timestamps. None
+    where the log has no timestamps there or the samples do not cover the span."""
+    if log.times is None:
+        return None
+    marks = [(it, t) for it, t in zip(log.iterations, log.times) if t is not None]
+    start = [(it, t) for it, t in marks if it <= skip]
+    if not start or marks[-1][0] <= start[-1][0] or not samples_path.is_file():
+        return None
+    (it0, t0), (it1, t1) = start[-1], marks[-1]
+    series: Dict[str, List[tuple]] = {}
+    names: Dict[str, str] = {}
+    samples = 0
+    for line in samples_path.read_text().splitlines():
+        try:
+            sample = json.loads(line)
+        except ValueError:
+            continue                      # a line cut short when the process ended
+        samples += 1
+        for tid, (name, ns) in sample["threads"].items():
+            series.setdefault(tid, []).append((sample["t"], ns))
+            names[tid] = name
+    if not series or not (min(s[0][0] for s in series.values()) <= t0
+                          and max(s[-1][0] for s in series.values()) >= t1):
+        return None
+    threads: Dict[str, float] = {}
+    for tid, points in series.items():
+        ms = (_cpu_at(points, t1) - _cpu_at(points, t0)) / 1e6 / (it1 - it0)
+        threads[names[tid]] = threads.get(names[tid], 0.0) + ms
+    return {"iterations": [it0, it1], "samples": samples,
+            "process_ms": round(sum(threads.values()), 3),
+            "threads_ms": {name: round(ms, 3) for name, ms in
+                           sorted(threads.items(), key=lambda kv: -kv[1]) if ms >= 0.005}}
 
 
 def steady_intervals(log: MegatronLog, skip: int) -> List[float]:
@@ -106,8 +183,9 @@ def commsched_site(tmp: Path) -> Path:
 
 
 def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
-             timeout_s: float) -> Dict[str, object]:
-    """One launch; its log, parsed (``error`` set when it failed)."""
+             timeout_s: float, skip: int = 0) -> Dict[str, object]:
+    """One launch; its log, parsed (``error`` set when it failed), and rank 0's CPU per
+    iteration where the workers sampled it (``BENCH_THREAD_CPU_DIR``)."""
     try:
         proc = subprocess.run(["bash", str(script)], cwd=megatron, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -121,6 +199,9 @@ def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
     try:
         log = parse_megatron_log(text)
         result.update(iterations=log.iterations, ms=log.ms, loss=log.loss)
+        if env.get("BENCH_THREAD_CPU_DIR"):
+            result["cpu"] = rank_cpu_per_iteration(
+                Path(env["BENCH_THREAD_CPU_DIR"]), 0, log, skip)
     except ValueError as exc:
         result["error"] = f"rc {rc}: {exc}"
     if rc != 0 and result["error"] is None:
@@ -162,6 +243,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
             if result["error"] or stock["error"] or result.get("loss") != stock.get("loss"):
                 row["losses_equal"] = False
+            if result.get("cpu"):
+                row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
     for row in out.values():
         for name in VARIANTS:
             values = row.get(f"{name}_ms")
@@ -170,6 +253,9 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
             intervals = row.get(f"{name}_intervals_ms")
             if intervals:
                 row[f"{name}_interval_median_ms"] = statistics.median(intervals)
+            cpu = row.get(f"{name}_cpu_ms")
+            if cpu:
+                row[f"{name}_cpu_median_ms"] = statistics.median(cpu)
         for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
             if f"{name}_ms" not in row:
                 continue
@@ -184,6 +270,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
 
 def table(summary: Dict[str, object]) -> str:
     launcher = any("launcher_ms" in row for row in summary.values())
+    cpu = any("stock_cpu_median_ms" in row for row in summary.values())
     rows = []
     for row in summary.values():
         def cell(name):
@@ -194,14 +281,22 @@ def table(summary: Dict[str, object]) -> str:
 
         def ratio(key):
             return f"{row[key]:.3f}" if row.get(key) else None
+        def cpu_cell(name):
+            value = row.get(f"{name}_cpu_median_ms")
+            return None if value is None else f"{value:.1f}"
         extra = [cell("launcher"), ratio("launcher_ratio"),
                  ratio("launcher_ratio_interval_median")] if launcher else []
+        if cpu:
+            extra += [cpu_cell(name) for name in VARIANTS if launcher or name != "launcher"]
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), ratio("ratio_interval_median"), *extra,
                      "yes" if row["losses_equal"] else "NO",
                      "; ".join(row["errors"])[:120] or None])
     extra = (["launcher only ms/iter", "launcher/stock", "launcher/stock (median interval)"]
              if launcher else [])
+    if cpu:
+        extra += [f"{name} CPU ms/iter (rank 0)" for name in VARIANTS
+                  if launcher or name != "launcher"]
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
          "patched/stock (median interval)", *extra, "losses equal", "note"], rows)
@@ -234,6 +329,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "iterations after --skip; the Chrome trace goes to "
                              "DIR/<run>/torch_profile/rank-0.json.gz (read it with "
                              "trace_overlap.py)")
+    parser.add_argument("--thread-cpu", action="store_true",
+                        help="sample every worker's per-thread CPU time; report rank 0's "
+                             "CPU per iteration after --skip (thread_cpu_site/)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each run's log goes (default: next to --out)")
     parser.add_argument("--run-timeout", type=float, default=300.0,
@@ -298,7 +396,8 @@ def main(argv=None) -> int:
                     PATH=os.pathsep.join([os.path.dirname(sys.executable),
                                           base.get("PATH", "")]),
                     PYTHONPATH=os.pathsep.join(
-                        [str(site), str(args.megatron), base.get("PYTHONPATH", "")]))
+                        ([str(THREAD_CPU_SITE)] if args.thread_cpu else [])
+                        + [str(site), str(args.megatron), base.get("PYTHONPATH", "")]))
         for regime in args.regimes.split(","):
             for round_ in range(1, args.rounds + 1):
                 for setting in args.settings.split(","):
@@ -316,10 +415,14 @@ def main(argv=None) -> int:
                         log_path = log_dir / f"{name}.log"
                         env["EXTRA_ARGS"] = extra_args(args, name)
                         env["MASTER_PORT"] = str(benchlib.free_port())
+                        if args.thread_cpu:
+                            samples = log_dir / f"{name}_cpu"
+                            shutil.rmtree(samples, ignore_errors=True)
+                            env["BENCH_THREAD_CPU_DIR"] = str(samples)
                         print(f"[megatron] {regime} {setting} round {round_}: {variant}",
                               flush=True)
                         run[variant] = run_once(script, args.megatron, env, log_path,
-                                                args.run_timeout)
+                                                args.run_timeout, args.skip)
                     runs.append(run)
     summary = summarize(runs, args.skip)
     document = {"schema": "commsched.bench.megatron_e2e/1", "created_utc": benchlib.utc_now(),
