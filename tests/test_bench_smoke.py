@@ -209,7 +209,8 @@ def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
 @pytest.fixture(scope="module")
 def harness_options_run(tmp_path_factory):
     """World size 3, two interleaved rounds, a two-point sweep and a two-point sweep of the
-    data-parallel mode, telemetry kept, a profiled window per mode (BENCH_PROFILE)."""
+    data-parallel mode, telemetry kept, a profiled window per mode (BENCH_PROFILE), CPU
+    per thread (BENCH_THREADS)."""
     tmp = tmp_path_factory.mktemp("bench_options")
     out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
@@ -219,7 +220,7 @@ def harness_options_run(tmp_path_factory):
                                      "--dp-sweep", "64K/256K,0/0,0/0/0",
                                      "--telemetry-root", str(root),
                                      "--timeout", "200", "--out", str(out)], timeout=240,
-                      env={"BENCH_PROFILE": str(traces)})
+                      env={"BENCH_PROFILE": str(traces), "BENCH_THREADS": "1"})
     document = json.loads(out.read_text()) if out.exists() else None
     return proc, document, root, traces
 
@@ -278,6 +279,16 @@ def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_op
     assert "6s data-parallel mode, partition 64K, credit 256K" in table
     assert "6s data-parallel mode, partition off, credit 2 layer groups" in table
     assert "6s data-parallel mode, partition off, credit 2 layer groups, groups per module" in table
+
+
+def test_harness_keeps_each_round_s_cpu_per_thread(harness_options_run):
+    proc, document, _, _ = harness_options_run
+    assert proc.returncode == 0, explain(proc)
+    mode = document["launches"][0]["runs"][0]["modes"]["compute_only"]
+    assert len(mode["threads"]) == 2                       # one per round
+    for threads in mode["threads"]:
+        assert threads["main"]["cpu_ms"] > 0, threads      # the training loop's thread
+    assert "[bench] rank 0 compute_only threads per step" in proc.stdout
 
 
 def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_run):

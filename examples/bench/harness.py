@@ -467,7 +467,8 @@ class Bench:
         self.barrier()
         times = []
         cpu0, main0 = time.process_time(), time.thread_time()
-        threads0 = thread_times() if os.environ.get("BENCH_PHASES") == "1" else None
+        threads0 = (thread_times() if "1" in (os.environ.get("BENCH_PHASES"),
+                                              os.environ.get("BENCH_THREADS")) else None)
         # BENCH_WINDOW=k: synchronise only every k iterations (each sample is a window's
         # mean), so that communication may overlap the next forward, as in training.
         window = max(1, int(os.environ.get("BENCH_WINDOW", "1")))
