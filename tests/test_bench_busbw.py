@@ -24,8 +24,9 @@ sys.path.insert(0, str(BENCH))
 import busbw  # noqa: E402
 
 SIZES = [128, 512, 2048, 8192]           # --min-bytes 128 --max-bytes 8K --factor 4
-VARIANTS = ["nccl", "nccl_async", "none", "rs_ag", "hier", "leader", "auto"]
-SCHEDULED = VARIANTS[2:]                  # the commsched variants
+PLAIN = ["nccl", "nccl_async", "pg", "pg_sync"]
+SCHEDULED = ["none", "rs_ag", "hier", "leader", "auto"]   # the commsched variants
+VARIANTS = PLAIN + SCHEDULED
 WARMUP, ITERS = 1, 2
 ROW_KEYS = ("variant", "size", "count", "type", "redop", "time_us", "algbw_gbps",
             "busbw_gbps", "wrong", "lane_iterations")
@@ -77,7 +78,8 @@ def test_json_describes_the_run(run):
     assert document["env"]["NCCL_NVLS_ENABLE"] == "0"
     for key in ("torch", "cpu_count", "gpu_name"):
         assert key in document["system"]
-    assert document["variants"]["nccl_async"]["config"] is None
+    for name in PLAIN:
+        assert document["variants"][name]["config"] is None
     for name in SCHEDULED:
         config = document["variants"][name]["config"]
         assert config["decompose"] == name and config["partition_bytes"] == 0
@@ -97,7 +99,7 @@ def test_every_variant_and_size_has_a_right_result(run):
         assert row["algbw_gbps"] == pytest.approx(size / (row["time_us"] * 1e3))
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (world - 1) / world)
         assert row["nvlink_tx_bytes_per_op"] is None        # CPU: no NVML counters
-        if variant in ("nccl", "nccl_async"):
+        if variant in PLAIN:
             assert row["ran"] is None and row["lane_iterations"] is None
         elif variant == "auto":
             # One node: nothing to choose; several: one of the measured candidates.
@@ -112,8 +114,8 @@ def test_telemetry_has_one_lane_iteration_per_call(run):
 
     assert WARMUP > 0
     per_size = 3                                      # warm-up, timed, correctness check
-    assert not (telemetry / f"nvlink_nccl_w{world}").exists()
-    assert not (telemetry / f"nvlink_nccl_async_w{world}").exists()
+    for name in PLAIN:
+        assert not (telemetry / f"nvlink_{name}_w{world}").exists()
     for name in SCHEDULED:
         run_dir = telemetry / f"nvlink_{name}_w{world}"
         assert document["variants"][name]["telemetry_dir"] == str(run_dir)

@@ -20,6 +20,11 @@ always), and runs each variant over every message size from ``--min-bytes`` to
            asynchronous collective runs on the process group's stream, which waits for the
            caller's; a synchronous one (``nccl``) may skip that. The commsched variants are
            asynchronous: this is the reference with their stream semantics.
+  pg       the process group's own ``allreduce`` method (what commsched calls;
+           ``dist.all_reduce`` adds argument checks and wrappers around it), issued back to
+           back, each work waited for after the window
+  pg_sync  the same with ``AllreduceOptions.asyncOp = False``: synchronous, on NCCL run on
+           the caller's stream with no work returned (the cheapest issue there is)
   none     commsched ``Scheduler``, one all_reduce per message
   rs_ag    commsched: reduce_scatter + all_gather
   hier     commsched: intra-node reduce_scatter, inter-node all_reduce, intra-node all_gather
@@ -101,6 +106,8 @@ ELEMENT_BYTES = 4
 VARIANTS: Dict[str, str] = {
     "nccl": "plain dist.all_reduce (reference)",
     "nccl_async": "plain dist.all_reduce(async_op=True), waited after the window",
+    "pg": "the process group's allreduce method, waited after the window",
+    "pg_sync": "the process group's allreduce method, asyncOp=False",
     "none": "commsched Scheduler, all_reduce",
     "rs_ag": "commsched, reduce_scatter + all_gather",
     "hier": "commsched, reduce_scatter:intra + all_reduce:inter + all_gather:intra",
@@ -109,7 +116,7 @@ VARIANTS: Dict[str, str] = {
 }
 DEFAULT_VARIANTS = "nccl,none,rs_ag,hier,leader,auto"
 REFERENCE = "nccl"
-PLAIN = ("nccl", "nccl_async")          # the variants without commsched
+PLAIN = ("nccl", "nccl_async", "pg", "pg_sync")        # the variants without commsched
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,6 +197,41 @@ class PlainAsyncAllReduce:
 
     def close(self) -> None:
         pass
+
+
+class GroupAllReduce:
+    """``count`` calls of the process group's own ``allreduce`` method in place, issued
+    back to back, then each work waited for; ``synchronous``: with ``asyncOp = False``
+    (NCCL then runs the collective on the caller's stream and returns no work)."""
+
+    __slots__ = ("options", "works")
+
+    def __init__(self, synchronous: bool = False) -> None:
+        self.options = dist.AllreduceOptions()
+        if synchronous:
+            self.options.asyncOp = False
+        self.works: List[Any] = []
+
+    def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
+        group, tensors, options, works = dist.group.WORLD, [tensor], self.options, self.works
+        for _ in range(count):
+            work = group.allreduce(tensors, options)
+            if work is not None:
+                works.append(work)
+        for work in works:
+            work.wait()
+        works.clear()
+
+    def iterations(self) -> Optional[int]:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+PLAIN_OPS: Dict[str, Callable[[], Any]] = {
+    "nccl": lambda: PlainAllReduce(), "nccl_async": lambda: PlainAsyncAllReduce(),
+    "pg": lambda: GroupAllReduce(), "pg_sync": lambda: GroupAllReduce(synchronous=True)}
 
 
 class CommschedAllReduce:
@@ -430,7 +472,7 @@ def run_variant(worker: Worker, name: str) -> Dict[str, Any]:
     the duration of this call."""
     config = variant_config(worker.spec, name)
     op = (CommschedAllReduce(config, worker.device) if config is not None
-          else PlainAllReduce() if name == REFERENCE else PlainAsyncAllReduce())
+          else PLAIN_OPS[name]())
     started = time.monotonic()
     try:
         rows = [worker.measure(name, op, nbytes) for nbytes in worker.spec.sizes]
