@@ -15,6 +15,24 @@ LOG = os.path.join(os.path.dirname(__file__), "fixtures", "megatron",
                    "pretrain_gpt_core_r0.19.0_2xH200.log")
 
 
+FAKE_CHECKOUT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron",
+                             "fake_checkout")
+
+
+def _run_fake_checkout(tmp_path, *flags, rounds=1):
+    """megatron_e2e.main on the stand-in checkout (no overlap, 30 iterations, skip 10);
+    the JSON document it wrote. It must exit 0."""
+    import json
+
+    out = tmp_path / "megatron.json"
+    code = megatron_e2e.main(["--megatron", FAKE_CHECKOUT, "--regimes", "nvlink",
+                              "--settings", "no_overlap", "--rounds", str(rounds),
+                              "--train-iters", "30", "--skip", "10", "--run-timeout", "240",
+                              *flags, "--out", str(out)])
+    assert code == 0
+    return json.loads(out.read_text())
+
+
 def test_the_log_excerpt_gives_every_logged_iteration_with_its_time_and_loss():
     log = megatron_e2e.parse_megatron_log(open(LOG).read())
     assert log.iterations == [1, 10, 20, 30]
@@ -90,14 +108,7 @@ def test_losses_that_differ_are_reported(tmp_path):
 def test_stock_and_patched_launches_run_and_are_tabled(tmp_path):
     """The whole loop on CPU, with a stand-in for pretrain_gpt.py under torchrun (2 ranks):
     the patched launch script starts it under commsched.run, the stock one does not."""
-    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
-    out = tmp_path / "megatron.json"
-    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
-                              "no_overlap", "--rounds", "1", "--train-iters", "30",
-                              "--skip", "10", "--run-timeout", "240", "--out", str(out)])
-    assert code == 0
-    import json
-    doc = json.loads(out.read_text())
+    doc = _run_fake_checkout(tmp_path)
     row = doc["summary"]["nvlink/no_overlap"]
     assert row["losses_equal"] and row["errors"] == []
     assert row["stock_median_ms"] == pytest.approx((220.0 + 230.0) / 2)
@@ -110,15 +121,7 @@ def test_stock_and_patched_launches_run_and_are_tabled(tmp_path):
 def test_the_launcher_only_variant_runs_under_the_launcher_with_nothing_patched(tmp_path):
     """--launcher-only: a third launch, the patched script with COMMSCHED=0; rounds
     alternate which variant goes first."""
-    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
-    out = tmp_path / "megatron.json"
-    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
-                              "no_overlap", "--rounds", "2", "--train-iters", "30",
-                              "--skip", "10", "--run-timeout", "240", "--launcher-only",
-                              "--out", str(out)])
-    assert code == 0
-    import json
-    doc = json.loads(out.read_text())
+    doc = _run_fake_checkout(tmp_path, "--launcher-only", rounds=2)
     row = doc["summary"]["nvlink/no_overlap"]
     assert row["losses_equal"] and row["errors"] == []
     assert row["launcher_ratio"] == pytest.approx(1.0) and len(row["launcher_ms"]) == 2
@@ -199,15 +202,7 @@ def test_thread_cpu_measures_each_run_s_rank_0(tmp_path, monkeypatch):
     """--thread-cpu on CPU: the stand-in spends 5 ms of its main thread's CPU an
     iteration; each run reports it, and the table the process's CPU per variant."""
     monkeypatch.setenv("BENCH_THREAD_CPU_PERIOD_S", "0.01")
-    fake = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "fake_checkout")
-    out = tmp_path / "megatron.json"
-    code = megatron_e2e.main(["--megatron", fake, "--regimes", "nvlink", "--settings",
-                              "no_overlap", "--rounds", "1", "--train-iters", "30",
-                              "--skip", "10", "--run-timeout", "240", "--thread-cpu",
-                              "--out", str(out)])
-    assert code == 0
-    import json
-    doc = json.loads(out.read_text())
+    doc = _run_fake_checkout(tmp_path, "--thread-cpu")
     run = doc["runs"][0]
     for variant in ("stock", "patched"):
         cpu = run[variant]["cpu"]

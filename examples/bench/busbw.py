@@ -174,64 +174,42 @@ class PlainAllReduce:
         pass
 
 
-class PlainAsyncAllReduce:
-    """``count`` ``dist.all_reduce(async_op=True)`` in place, issued back to back, then
-    each waited for (the caller's stream waits for it on the device, as
-    ``CommschedAllReduce`` waits for its requests)."""
+class QueuedAllReduce(PlainAllReduce):
+    """``count`` all-reduces in place, each issued by ``issue(tensor)`` back to back, then
+    each returned work waited for (the caller's stream waits for it on the device, as
+    ``CommschedAllReduce`` waits for its requests); ``issue`` may return no work (a
+    synchronous call)."""
 
-    __slots__ = ("works",)
+    __slots__ = ("issue", "works")
 
-    def __init__(self) -> None:
+    def __init__(self, issue: Callable[[torch.Tensor], Any]) -> None:
+        self.issue = issue
         self.works: List[Any] = []
 
     def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
-        works = self.works
+        issue, works = self.issue, self.works
         for _ in range(count):
-            works.append(dist.all_reduce(tensor, async_op=True))
-        for work in works:
-            work.wait()
-        works.clear()
-
-    def iterations(self) -> Optional[int]:
-        return None
-
-    def close(self) -> None:
-        pass
-
-
-class GroupAllReduce:
-    """``count`` calls of the process group's own ``allreduce`` method in place, issued
-    back to back, then each work waited for; ``synchronous``: with ``asyncOp = False``
-    (NCCL then runs the collective on the caller's stream and returns no work)."""
-
-    __slots__ = ("options", "works")
-
-    def __init__(self, synchronous: bool = False) -> None:
-        self.options = dist.AllreduceOptions()
-        if synchronous:
-            self.options.asyncOp = False
-        self.works: List[Any] = []
-
-    def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
-        group, tensors, options, works = dist.group.WORLD, [tensor], self.options, self.works
-        for _ in range(count):
-            work = group.allreduce(tensors, options)
+            work = issue(tensor)
             if work is not None:
                 works.append(work)
         for work in works:
             work.wait()
         works.clear()
 
-    def iterations(self) -> Optional[int]:
-        return None
 
-    def close(self) -> None:
-        pass
+def group_all_reduce(synchronous: bool = False) -> QueuedAllReduce:
+    """The process group's own ``allreduce`` method; ``synchronous``: with ``asyncOp =
+    False`` (NCCL then runs the collective on the caller's stream and returns no work)."""
+    options = dist.AllreduceOptions()
+    if synchronous:
+        options.asyncOp = False
+    return QueuedAllReduce(lambda tensor: dist.group.WORLD.allreduce([tensor], options))
 
 
 PLAIN_OPS: Dict[str, Callable[[], Any]] = {
-    "nccl": lambda: PlainAllReduce(), "nccl_async": lambda: PlainAsyncAllReduce(),
-    "pg": lambda: GroupAllReduce(), "pg_sync": lambda: GroupAllReduce(synchronous=True)}
+    "nccl": PlainAllReduce,
+    "nccl_async": lambda: QueuedAllReduce(lambda t: dist.all_reduce(t, async_op=True)),
+    "pg": group_all_reduce, "pg_sync": lambda: group_all_reduce(synchronous=True)}
 
 
 class CommschedAllReduce:
