@@ -234,3 +234,13 @@ def test_the_sampler_runs_in_ranks_only_and_the_shadowed_sitecustomize_still_run
     files = list(samples.glob("rank3-pid*.jsonl"))
     assert len(files) == 1 and len(files[0].read_text().splitlines()) >= 5
     assert (tmp_path / "marker").read_text() == "ran\nran\n"
+
+
+@pytest.mark.parametrize("period", ["0", "fast", "-1"])
+def test_a_bad_sampling_period_is_an_error_naming_the_variable(tmp_path, monkeypatch, capsys,
+                                                               period):
+    monkeypatch.setenv("BENCH_THREAD_CPU_PERIOD_S", period)
+    with pytest.raises(SystemExit):
+        megatron_e2e.main(["--megatron", FAKE_CHECKOUT, "--thread-cpu",
+                           "--out", str(tmp_path / "m.json")])
+    assert "BENCH_THREAD_CPU_PERIOD_S" in capsys.readouterr().err

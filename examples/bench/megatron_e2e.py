@@ -348,6 +348,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--rounds must be >= 1 and --train-iters larger than --skip")
     if args.log_interval < 1:
         parser.error(f"--log-interval must be >= 1, got {args.log_interval}")
+    if args.thread_cpu:
+        period = os.environ.get("BENCH_THREAD_CPU_PERIOD_S", "0.2")
+        try:
+            ok = 0 < float(period) < 60
+        except ValueError:
+            ok = False
+        if not ok:
+            parser.error(f"--thread-cpu: BENCH_THREAD_CPU_PERIOD_S={period!r} is not a "
+                         f"sampling period in seconds (0 < s < 60)")
     if args.profile_dir is not None and args.train_iters < args.skip + 4:
         parser.error("--profile-dir profiles iterations skip+1 .. skip+3: --train-iters "
                      "must be at least --skip + 4")
