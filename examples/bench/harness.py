@@ -668,19 +668,31 @@ def run_comm_only(bench: Bench) -> Dict[str, Any]:
             "total_bytes": sum(bucket_bytes)}
 
 
-def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
-    """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset)."""
+def run_ddp_commsched(bench: Bench, observer=None, **overrides) -> Dict[str, Any]:
+    """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset);
+    ``observer`` replaces the telemetry recorder."""
     commsched = benchlib.import_commsched()
     hooks = benchlib.import_commsched_hooks()
     config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.ddp(bench.build_model())
-    state = hooks.register(model, config=config)
+    state = hooks.register(model, config=config, observer=observer)
     try:
         step = bench.train_step(model, bench.optimizer(model.parameters()))
         times = bench.time(step)
     finally:
         close_quietly(state, getattr(state, "recorder", None))
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
+
+
+class _DiscardingObserver:
+    """Takes every record the scheduler hands over and keeps none: with it the scheduler
+    times every step as for telemetry, and no telemetry thread runs."""
+
+    def on_chunks(self, records) -> None:
+        pass
+
+    def on_iteration(self, record) -> None:
+        pass
 
 
 def run_ddp_commsched_sum(bench: Bench) -> Dict[str, Any]:
@@ -842,6 +854,9 @@ MODES: List[Mode] = [
          lambda bench: run_ddp_commsched(
              bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_nonvml"),
              telemetry_nvml_period_ms=0)),
+    Mode("ddp_commsched_timed", "5t as 5, every step timed for an observer that keeps "
+         "nothing (telemetry's cost on the scheduler's path, no telemetry thread)",
+         lambda bench: run_ddp_commsched(bench, observer=_DiscardingObserver())),
     Mode("ddp_commsched_autotune", "5f as 5e, COMMSCHED_AUTOTUNE=1 (timed once settled)",
          lambda bench: run_ddp_commsched_autotune(bench)),
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
