@@ -150,6 +150,10 @@ def _lazy_completion(rank, world, port):
         assert ends[-1] < t_drain - 100_000_000, (ends[-1], t_drain)
         for r in got:
             assert r.t_dispatch_ns - 1_000_000 <= r.t_start_ns <= r.t_end_ns, r
+            # (a 256 KiB all-reduce between two GPUs of one node: microseconds)
+            assert 0 < r.t_end_ns - r.t_start_ns < 50_000_000, r
+    # Telemetry on a lane the caller completes: the group timed its collectives itself.
+    assert sched._lanes[dist.group.WORLD].group_timed
     sched.close()
     dist.destroy_process_group()
 
@@ -228,7 +232,9 @@ def _device_flush(rank, world, port):
             assert len(rows) == 4, (dispatch, rows)
             for (t_flush, exposed), t_host in zip(rows[1:], host_flush[1:]):
                 assert t_flush - t_host > 50_000_000, (dispatch, t_flush - t_host)
-                assert exposed < 20_000_000, (dispatch, exposed)
+                # Against the host's ~100 ms head start: well under it, not zero, as the
+                # peer's sleep of as many cycles may end later (its clock runs slower).
+                assert exposed < 50_000_000, (dispatch, exposed)
     dist.destroy_process_group()
 
 
