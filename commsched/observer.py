@@ -30,8 +30,8 @@ class ChunkRecord(NamedTuple):
     priority: int             # lower = needed earlier by the next forward
     t_submit_ns: int          # request handed to the scheduler
     t_dispatch_ns: int        # collective call issued (host)
-    t_start_ns: int           # device start: a CUDA event before it, or dispatch on CPU
-    t_end_ns: int             # device completion (CUDA event / work.wait() returned)
+    t_start_ns: int           # device start (CUDA, see docs/telemetry.md), or dispatch on CPU
+    t_end_ns: int             # device completion (CUDA, see there) / work.wait() returned
     ok: bool = True           # False when the collective raised
     error: str = ""
 

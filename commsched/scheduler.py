@@ -62,9 +62,12 @@ queue (CUDA_DEVICE_MAX_CONNECTIONS=1), would hold up whatever is queued behind i
 thread woken as the device finishes would take the GIL when the training thread is
 busiest, at the start of the next step. The watchdog hands the completion thread whatever
 stays in flight longer than its period (a caller that stopped ending iterations); only
-then does a batch get an event after it ("sealed"), for that thread to wait on. Every end
-event is timed: a step completed after it finished gets its host-clock end from its
-event. With telemetry (or the tuner) on, each step gets timing events of its own.
+then does a batch get an event after it ("sealed"), for that thread to wait on, by looking
+at it at growing intervals (a polled lane's events are not blocking-sync ones, whose
+completions the driver services on a thread of its own). Every end event is timed: a step
+completed after it finished gets its host-clock end from its event. With telemetry (or
+the tuner) on, each step gets a timing event of its own before it, and, under a credit
+window, after it (see _issue_cuda).
 
 Dispatch thread (``Config.dispatch="thread"``, off by default): ``submit`` records the ready
 event and queues the request, and a thread per lane issues it. It costs a GIL hand-off per
@@ -84,7 +87,7 @@ import math
 import threading
 import time
 import weakref
-from typing import Dict, Hashable, List, Optional
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -112,6 +115,10 @@ _ALL_REDUCE = steps_for("all_reduce", "none")
 # woken for them anyway (bounds the events and staging buffers they hold).
 LAZY_ITEMS = 64
 POLLED_ITEMS = 4 * LAZY_ITEMS
+# The completion thread of a polled lane looks at an unfinished event after WAIT_POLL_S,
+# then at intervals doubling up to WAIT_POLL_MAX_S (see _Lane._wait).
+WAIT_POLL_S = 0.0002
+WAIT_POLL_MAX_S = 0.004
 
 
 class SchedulerError(CommschedError, RuntimeError):
@@ -626,7 +633,12 @@ class _Lane:
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
             self.done_stream = torch.cuda.Stream(device)
-        # Maps end events onto the host clock (_end_times): made where first needed; its
+        # Telemetry where the caller completes: the group times its own collectives, and
+        # a step needs no event after it (_issue_cuda, _device_times).
+        self.group_timed = (self.cuda and self.polled and self.observer is not None
+                            and _enable_collective_timing(group))
+        self.group_end_ns = 0         # host-clock end of the group's newest timed step
+        # Maps events onto the host clock (_device_times): made where first needed; its
         # anchor renewed by the watchdog where the caller completes, else by the completion
         # thread once it is older than EventClock.REFRESH_S.
         self.clock: Optional[EventClock] = None
@@ -1102,7 +1114,12 @@ class _Lane:
         wait for whatever compute was queued there since. Events after a step (on the done
         stream) exist only where somebody needs them: telemetry or the tuner (timings), a
         credit window (the completion thread returns credit at the step's end), a padded
-        chunk (copied back after its last step)."""
+        chunk (copied back after its last step). Telemetry on a lane whose caller completes
+        (``polled``) needs no event after a step of the lane's own group either: that
+        group times its collectives itself (``group_timed``), and the step's start event,
+        in the issuing stream, costs that stream nothing. A wait of the done stream on
+        the collective, issued here by the training thread, could hold up compute queued
+        behind it in a shared hardware queue until the collective ended."""
         req = chunk.request
         timed = self.observer is not None or self.collecting
         start = None
@@ -1130,6 +1147,8 @@ class _Lane:
         padded = last and chunk.staging is not None
         if not (timed or self.credit_bytes or padded):
             return start, None, work
+        if self.group_timed and not (padded or req.cross_group):
+            return start, None, work      # (its end from the group's own timing: _device_times)
         caller = torch.cuda.current_stream(self.device)
         torch.cuda.set_stream(self.done_stream)
         try:
@@ -1201,11 +1220,13 @@ class _Lane:
         try:
             return self.events.pop()
         except IndexError:
-            # blocking: the completion thread sleeps in synchronize() instead of spinning
-            # (a spinning wait would burn a CPU core for as long as the collective runs).
-            # Timed: the host-clock end of a step or batch comes from its end event when
-            # it is completed later than it finished (_end_times).
-            return torch.cuda.Event(enable_timing=True, blocking=True)
+            # Timed: the host-clock time of a step or batch comes from its events when it
+            # is completed later than it finished (_device_times). Blocking-sync where the
+            # completion thread waits for steps as they finish (not polled): it sleeps in
+            # synchronize() instead of spinning. Not on a polled lane, whose caller only
+            # queries them: the driver services each blocking-sync event's completion on a
+            # thread of its own (2 wake-ups per timed bucket of a DDP backward).
+            return torch.cuda.Event(enable_timing=True, blocking=not self.polled)
 
     # ---- completion (completion thread) --------------------------------------------------
     def _completion_loop(self) -> None:
@@ -1229,13 +1250,25 @@ class _Lane:
             item = None       # not held while idle: a work may hold buffers (see _complete)
 
     def _wait(self, item: _InFlight) -> None:
-        """Block (GIL released) until the item's collective finished on the device: on
-        CUDA the event recorded on the done stream after it, on gloo ``work.wait()``."""
+        """Block until the item's collective finished on the device: on CUDA the event
+        recorded on the done stream after it (GIL released), on gloo ``work.wait()``. A
+        polled lane's events do not block (see _event): its completion thread, rung only
+        for what the caller left behind, looks at the event at growing intervals, until
+        the lane failed (its watchdog gave up on it)."""
         try:
-            if item.end is not None:
-                item.end.synchronize()
-            else:
+            end = item.end
+            if end is None:
                 item.work.wait()
+            elif not self.polled:
+                end.synchronize()
+            else:
+                pause = WAIT_POLL_S
+                while not end.query():
+                    if self.failure is not None:
+                        item.error = self.failure
+                        return
+                    time.sleep(pause)
+                    pause = min(2 * pause, WAIT_POLL_MAX_S)
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
             item.error = exc
 
@@ -1272,24 +1305,51 @@ class _Lane:
             return False
         return item.work.is_completed()
 
-    def _end_times(self, batch: List[_InFlight], t_seen: int) -> List[int]:
-        """Host-clock time at which each item finished on the device. With CUDA timing
-        events: its end event mapped onto the host clock by the lane's ``EventClock`` (the
-        thread may get to an item long after it finished; no wait there); otherwise
-        when the thread saw it finish. Completion batches alone need no time (nothing
-        reads it, see ``_complete_batch``): no mapping then."""
-        if (not self.cuda or any(item.end is None for item in batch)
-                or all(item.chunk is None for item in batch)):
-            return [t_seen] * len(batch)
+    def _device_times(self, batch: List[_InFlight],
+                      t_seen: int) -> List[Tuple[Optional[int], int]]:
+        """Host-clock (start, end) of each item's collective on the device, start None
+        where no event tells it (the step's dispatch stands in, see _complete). Events
+        are mapped onto the host clock by the lane's ``EventClock`` (the thread may get to
+        an item long after it finished; no wait there):
+
+        * an end event: its time, and the start that much earlier as the start event
+          says;
+        * a start event alone (``group_timed``): the collective began at the later of its
+          start event (its inputs ready in the issuing stream) and the end of the group's
+          previous one (NCCL runs a group's collectives in issue order), and took what
+          the process group measured (``Work._get_duration()``);
+        * no event (an untimed completion batch, gloo), or one that cannot be timed (a
+          failed step): ``t_seen``, when this thread saw it finish."""
+        times: List[Tuple[Optional[int], int]] = [(None, t_seen)] * len(batch)
+        if not self.cuda or all(item.start is None and item.end is None for item in batch):
+            return times                  # (nothing reads a batch's time: _complete_batch)
         clock = self.clock
         if clock is None:
             clock = self.clock = EventClock(torch.cuda.Stream(self.device))    # (idle stream)
-        try:
-            if not self.polled and clock.age_s() > EventClock.REFRESH_S:
+        if not self.polled and clock.age_s() > EventClock.REFRESH_S:
+            try:
                 clock.refresh()           # (the completion thread: it may wait)
-            return clock.host_times_ns([item.end for item in batch])
-        except RuntimeError:              # an event that did not complete (a failure)
-            return [t_seen] * len(batch)
+            except RuntimeError:
+                return times              # a failing device
+        previous = self.group_end_ns
+        for index, item in enumerate(batch):
+            start, end = item.start, item.end
+            if item.error is not None or (start is None and end is None):
+                continue
+            try:
+                if end is not None:
+                    t_end = clock.host_times_ns([end])[0]
+                    t_start = (None if start is None
+                               else t_end - int(start.elapsed_time(end) * 1e6))
+                else:
+                    t_start = max(clock.host_times_ns([start])[0], previous)
+                    t_end = t_start + int(item.work._get_duration() * 1e6)
+                    previous = t_end
+            except RuntimeError:          # an event that did not complete (a failure)
+                continue
+            times[index] = (t_start, t_end)
+        self.group_end_ns = previous
+        return times
 
     def _complete(self, waited: Optional[_InFlight]) -> None:
         """Complete ``waited`` and what finished with it (completion thread), or, with
@@ -1313,10 +1373,10 @@ class _Lane:
                 batch = self._take_finished(waited)
                 self.thread_batches += 1
             self.completion_batches += 1
-            t_ends = self._end_times(batch, t_seen)
+            times = self._device_times(batch, t_seen)
             if not self.in_flight:
                 self.newest.clear()       # (a work may hold buffers, see below)
-            for item, t_end in zip(batch, t_ends):
+            for item, (t_start, t_end) in zip(batch, times):
                 chunk, step, start, end, error = (item.chunk, item.step, item.start,
                                                   item.end, item.error)
                 if chunk is None:             # a batch of steps (CUDA, see _batch)
@@ -1325,10 +1385,8 @@ class _Lane:
                 req = chunk.request
                 chunk.steps_done = step + 1
                 last = step == len(req.steps) - 1
-                # Device start from the step's start event (timed), else its dispatch; a
-                # failed step's events may never have completed (elapsed_time would raise).
-                t_start = (t_end - int(start.elapsed_time(end) * 1e6)
-                           if start is not None and error is None else chunk.t_dispatch_ns)
+                if t_start is None:
+                    t_start = chunk.t_dispatch_ns     # (untimed, or failed: its dispatch)
                 if error is None:
                     self.link_cost.add(t_start, t_end, chunk.nbytes if last else 0)
                 if error is not None:
@@ -1465,6 +1523,20 @@ class _Lane:
         # never finish; it is a daemon thread and must not hold up the exit.
         self.thread.join(timeout=1 if self.failure is not None else 10)
         self.watchdog.thread.join(timeout=1)      # (wakes at `stopping`)
+
+
+def _enable_collective_timing(group) -> bool:
+    """Have ``group`` time its own collectives (NCCL: a start event beside the end event of
+    every collective, read by ``Work._get_duration()``), for every caller of the group;
+    False where the process group cannot."""
+    enable = getattr(group, "_enable_collectives_timing", None)
+    if enable is None or not hasattr(dist.Work, "_get_duration"):
+        return False
+    try:
+        enable()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _release(chunks: List[Chunk]) -> None:

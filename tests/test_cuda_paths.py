@@ -75,8 +75,8 @@ def _cuda_paths(rank, world):
     # A plan that holds requests back (priorities against submission order, link time
     # measured by telemetry): held ones wait on a ready event, go from the launch stream,
     # and offer no work of their own to wait on. The caller completes the timed steps and
-    # maps their end events onto the host clock without waiting for the device, bar once
-    # for the clock's first anchor (the watchdog renews it).
+    # maps their events onto the host clock without waiting for the device, bar once for
+    # the clock's first anchor (the watchdog renews it).
     from commsched.telemetry.device_clock import EventClock
     anchors = []
     refresh = EventClock.refresh
