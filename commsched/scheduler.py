@@ -1115,7 +1115,7 @@ class _Lane:
         stream) exist only where somebody needs them: telemetry or the tuner (timings), a
         credit window (the completion thread returns credit at the step's end), a padded
         chunk (copied back after its last step). Telemetry on a lane whose caller completes
-        (``polled``) needs no event after a step of the lane's own group either: that
+        (``polled``) needs no event after a first step on the lane's own group either: that
         group times its collectives itself (``group_timed``), and the step's start event,
         in the issuing stream, costs that stream nothing. A wait of the done stream on
         the collective, issued here by the training thread, could hold up compute queued
@@ -1147,8 +1147,11 @@ class _Lane:
         padded = last and chunk.staging is not None
         if not (timed or self.credit_bytes or padded):
             return start, None, work
-        if self.group_timed and not (padded or req.cross_group):
-            return start, None, work      # (its end from the group's own timing: _device_times)
+        if self.group_timed and step == 0 and not (padded or req.cross_group):
+            # Its end from the group's own timing (_device_times). Not for a later step:
+            # its start event, in whatever stream issued it, does not order it (the
+            # step before it on the group's stream does).
+            return start, None, work
         caller = torch.cuda.current_stream(self.device)
         torch.cuda.set_stream(self.done_stream)
         try:

@@ -120,3 +120,31 @@ def test_it_stops_looking_once_the_lane_failed():
     item = _InFlight(chunk=object(), step=0, work=None, start=None, end=NeverCompletes(None))
     _Lane._wait(host, item)
     assert item.error is failure and item.end.queries == 3
+
+
+def test_only_a_first_step_leaves_its_end_to_the_groups_timing(monkeypatch):
+    """A later step (the all-gather of a decomposed all-reduce) keeps its end event: its
+    start event, in whatever stream issued it, does not order it."""
+    import torch
+
+    import commsched.scheduler as scheduler
+    from fake_cuda import FakeEvent, FakeStream
+
+    class Work:
+        def wait(self):
+            pass
+
+    monkeypatch.setattr(scheduler, "issue_step", lambda chunk, step: Work())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    host = SimpleNamespace(observer=object(), collecting=False, credit_bytes=0,
+                           group_timed=True, device=None, done_stream=FakeStream(),
+                           _event=FakeEvent)
+    request = SimpleNamespace(ready_event=None, cross_group=False)
+    chunk = SimpleNamespace(request=request, staging=None, works=None)
+    start, end, _ = _Lane._issue_cuda(host, chunk, 0, last=False)
+    assert start is not None and end is None
+    start, end, _ = _Lane._issue_cuda(host, chunk, 1, last=True)
+    assert start is not None and end is not None
+    host.group_timed = False                        # (no group timing: an end event each)
+    assert _Lane._issue_cuda(host, chunk, 0, last=False)[1] is not None
