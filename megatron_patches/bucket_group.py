@@ -210,6 +210,10 @@ class GroupState:
         return self.outstanding
 
 
+_BUILT_BEFORE_APPLY = ("bucket groups constructed before commsched.megatron_patches.apply() "
+                       "(apply it, or apply_on_import, before the model is built)")
+
+
 class Runtime:
     """Per-process state of the applied patches: the scheduler (created on first use), one
     :class:`GroupState` per process group, and the registered bucket groups."""
@@ -254,19 +258,18 @@ class Runtime:
         """Why ``phase`` (``"grad"`` or ``"param"``) of ``bucket_group`` cannot run through
         the scheduler, or None."""
         member = self.members.get(bucket_group)
-        if member is None:
-            return ("bucket groups constructed before commsched.megatron_patches.apply() "
-                    "(apply it, or apply_on_import, before the model is built)")
-        return member.reasons[phase]
+        return _BUILT_BEFORE_APPLY if member is None else member.reasons[phase]
 
     def member(self, bucket_group, phase: str) -> Optional[_Member]:
         """The member record when this phase of ``bucket_group`` runs through the scheduler;
-        None (after logging the reason once) when megatron's original must run."""
-        reason = self.unsupported_reason(bucket_group, phase)
-        if reason is not None:
-            self._log_fallback(phase, reason)
-            return None
-        return self.members[bucket_group]
+        None (after logging the reason once) when megatron's original must run. Called by
+        every patched method, forward pre-hooks included: one lookup."""
+        member = self.members.get(bucket_group)
+        reason = _BUILT_BEFORE_APPLY if member is None else member.reasons[phase]
+        if reason is None:
+            return member
+        self._log_fallback(phase, reason)
+        return None
 
     def _reasons(self, bucket_group) -> Dict[str, Optional[str]]:
         """Why each phase must run megatron's original method (None: it need not). Fixed
