@@ -1347,10 +1347,11 @@ class _Lane:
                 else:
                     t_start = max(clock.host_times_ns([start])[0], previous)
                     t_end = t_start + int(item.work._get_duration() * 1e6)
-                    previous = t_end
             except RuntimeError:          # an event that did not complete (a failure)
                 continue
             times[index] = (t_start, t_end)
+            if item.chunk is None or not item.chunk.request.cross_group:
+                previous = max(previous, t_end)       # (a step on the lane's own group)
         self.group_end_ns = previous
         return times
 

@@ -41,8 +41,9 @@ def lane(previous_end=0):
     return SimpleNamespace(cuda=True, polled=True, clock=clock, group_end_ns=previous_end)
 
 
-def step(start=None, end=None, duration=None):
-    return _InFlight(chunk=object(), step=0, work=TimedWork(duration),
+def step(start=None, end=None, duration=None, cross_group=False):
+    chunk = SimpleNamespace(request=SimpleNamespace(cross_group=cross_group))
+    return _InFlight(chunk=chunk, step=0, work=TimedWork(duration),
                      start=None if start is None else DeviceEvent(start),
                      end=None if end is None else DeviceEvent(end))
 
@@ -64,6 +65,17 @@ def test_end_events_give_the_end_and_start_events_the_start():
     host = lane()
     times = _Lane._device_times(host, [step(start=4 * MS, end=7 * MS)], t_seen=99)
     assert times == [(10_004 * MS, 10_007 * MS)]
+
+
+def test_a_step_with_an_end_event_on_the_group_moves_the_groups_end_on():
+    host = lane()
+    t0 = 10_000 * MS
+    batch = [step(start=1 * MS, end=6 * MS),              # (sealed: an end event)
+             step(start=2 * MS, end=9 * MS, cross_group=True),   # another group's
+             step(start=3 * MS, duration=1 * MS)]
+    times = _Lane._device_times(host, batch, t_seen=99)
+    assert times[2] == (t0 + 6 * MS, t0 + 7 * MS)
+    assert host.group_end_ns == t0 + 7 * MS
 
 
 def test_steps_that_cannot_be_timed_are_seen_when_completed():
