@@ -62,6 +62,10 @@ def test_extra_args_log_every_iteration_and_profile_three_after_skip(tmp_path):
     assert value["--profile-ranks"] == "0"
     assert value["--tensorboard-dir"] == str(tmp_path / "prof" / "nvlink_no_overlap_r1_stock"
                                              / "tb")
+    args = megatron_e2e.parse_args(base + ["--megatron-args",
+                                           "--recompute-granularity full --seq-length 2048"])
+    assert megatron_e2e.extra_args(args, "run").split() == [
+        "--log-interval", "10", "--recompute-granularity", "full", "--seq-length", "2048"]
 
 
 @pytest.mark.parametrize("flags, message", [

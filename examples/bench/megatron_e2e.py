@@ -22,7 +22,8 @@ iteration after ``--skip`` iterations (with the rounds' spread), patched / stock
 launcher / stock), the same ratio of the median logged interval of all rounds pooled
 (``--log-interval 1``: of the median iteration), and whether the losses were identical at
 every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
-seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``). commsched is put
+seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
+pretrain_gpt.py arguments with ``--megatron-args``). commsched is put
 on the workers' path from this checkout (no install needed). Output: JSON (``--out``),
 every run's log under ``--log-dir``, a table last.
 
@@ -42,6 +43,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -322,6 +324,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--megatron-args", default="",
+                        help="more pretrain_gpt.py arguments for every run, appended last "
+                             "(e.g. \"--recompute-granularity full --recompute-method "
+                             "uniform --recompute-num-layers 1\" for a shape that does not "
+                             "fit otherwise)")
     parser.add_argument("--log-interval", type=int, default=10,
                         help="Megatron's --log-interval (default 10); 1 logs every iteration")
     parser.add_argument("--profile-dir", type=Path, default=None,
@@ -372,7 +379,7 @@ def extra_args(args: argparse.Namespace, run_name: str) -> str:
                   "--profile-step-start", str(args.skip + 1),
                   "--profile-step-end", str(args.skip + 4),
                   "--tensorboard-dir", str(args.profile_dir.resolve() / run_name / "tb")]
-    return " ".join(extra)
+    return " ".join(extra + shlex.split(args.megatron_args))
 
 
 def main(argv=None) -> int:
