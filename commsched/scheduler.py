@@ -1381,8 +1381,7 @@ class _Lane:
             if not self.in_flight:
                 self.newest.clear()       # (a work may hold buffers, see below)
             for item, (t_start, t_end) in zip(batch, times):
-                chunk, step, start, end, error = (item.chunk, item.step, item.start,
-                                                  item.end, item.error)
+                chunk, step, error = item.chunk, item.step, item.error
                 if chunk is None:             # a batch of steps (CUDA, see _batch)
                     self._complete_batch(item)
                     continue
@@ -1420,7 +1419,7 @@ class _Lane:
                         self.outstanding.pop(id(req), None)
                         req.outcome = True
                 if self.observer is not None or self.collecting:     # (autotune: rank 0)
-                    records.append((chunk, step, start, error, t_start, t_end))
+                    records.append((chunk, step, error, t_start, t_end))
             if self.failure is None:
                 self._pump()
             self.idle.notify_all()            # (join() waits for completions)
@@ -1429,18 +1428,16 @@ class _Lane:
             dispatched = self._take_dispatched()
         self._resolve(dispatched)
         if records:
-            built = [self._record(chunk, step, error, t_start, t_end)
-                     for chunk, step, _, error, t_start, t_end in records]
+            built = [self._record(*record) for record in records]
             if self.observer is not None:
                 self.observer.on_chunks(built)
             if self.tuner is not None:        # autotune: rank 0's profile of device times
                 for record in built:
                     self.tuner.on_chunk(record)
         _release(released)
-        for _, _, start, _, _, _ in records:
-            if start is not None:
-                self.events.append(start)
         for item in batch:
+            if item.start is not None:
+                self.events.append(item.start)
             if item.end is not None and not item.keep_end:
                 self.events.append(item.end)
         for req in finished:
