@@ -73,7 +73,7 @@ import logging
 import threading
 import warnings
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -210,10 +210,6 @@ class GroupState:
         return self.outstanding
 
 
-_BUILT_BEFORE_APPLY = ("bucket groups constructed before commsched.megatron_patches.apply() "
-                       "(apply it, or apply_on_import, before the model is built)")
-
-
 class Runtime:
     """Per-process state of the applied patches: the scheduler (created on first use), one
     :class:`GroupState` per process group, and the registered bucket groups."""
@@ -257,19 +253,24 @@ class Runtime:
     def unsupported_reason(self, bucket_group, phase: str) -> Optional[str]:
         """Why ``phase`` (``"grad"`` or ``"param"``) of ``bucket_group`` cannot run through
         the scheduler, or None."""
-        member = self.members.get(bucket_group)
-        return _BUILT_BEFORE_APPLY if member is None else member.reasons[phase]
+        return self._lookup(bucket_group, phase)[1]
 
     def member(self, bucket_group, phase: str) -> Optional[_Member]:
         """The member record when this phase of ``bucket_group`` runs through the scheduler;
         None (after logging the reason once) when megatron's original must run. Called by
         every patched method, forward pre-hooks included: one lookup."""
-        member = self.members.get(bucket_group)
-        reason = _BUILT_BEFORE_APPLY if member is None else member.reasons[phase]
+        member, reason = self._lookup(bucket_group, phase)
         if reason is None:
             return member
         self._log_fallback(phase, reason)
         return None
+
+    def _lookup(self, bucket_group, phase: str) -> Tuple[Optional[_Member], Optional[str]]:
+        member = self.members.get(bucket_group)
+        if member is None:
+            return None, ("bucket groups constructed before commsched.megatron_patches.apply() "
+                          "(apply it, or apply_on_import, before the model is built)")
+        return member, member.reasons[phase]
 
     def _reasons(self, bucket_group) -> Dict[str, Optional[str]]:
         """Why each phase must run megatron's original method (None: it need not). Fixed
