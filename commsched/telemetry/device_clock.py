@@ -4,9 +4,9 @@ The host records a timed event where an iteration's backward ends (its flush). W
 host runs ahead of a busy GPU, the device gets there long after the host did, and the host
 time would count the rest of the device's backward as communication left exposed. The
 writer thread asks :class:`DeviceClock` for the device time instead, once the event
-completed: against an event recorded then on an idle stream of the same device (which
-completes at once). The scheduler times its collectives with :class:`EventClock`, which
-keeps such an event as an anchor so that the thread completing them never waits.
+completed. Both it and the scheduler, which times its collectives, map events with an
+:class:`EventClock`: against an anchor, an event recorded on an idle stream of the same
+device (which completes at once) whose host time was read as it completed.
 """
 
 from __future__ import annotations
@@ -17,18 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..observer import DeviceMark
 
-__all__ = ["DeviceClock", "EventClock", "host_times_ns"]
-
-
-def host_times_ns(events: Sequence, stream, clock) -> List[int]:
-    """The ``time.time_ns()`` times at which the device got to ``events`` (timed CUDA events
-    that completed): ``clock``, a timed event recorded now on ``stream``, an idle stream of
-    the same device, completes at once, and each event's elapsed time to it is taken off
-    the host time then. Raises RuntimeError for an event that cannot be timed."""
-    clock.record(stream)
-    clock.synchronize()
-    t_now = time.time_ns()
-    return [t_now - int(event.elapsed_time(clock) * 1e6) for event in events]
+__all__ = ["DeviceClock", "EventClock"]
 
 
 class EventClock:
@@ -83,10 +72,11 @@ class EventClock:
 
 class DeviceClock:
     """Maps :class:`~commsched.observer.DeviceMark` events onto ``time.time_ns()``. Used by
-    one thread (the telemetry writer); one idle stream and event per device."""
+    one thread (the telemetry writer), which may wait: an :class:`EventClock` per device,
+    its anchor renewed here once older than ``EventClock.REFRESH_S``."""
 
     def __init__(self) -> None:
-        self._clocks: Dict[object, tuple] = {}
+        self._clocks: Dict[object, EventClock] = {}
 
     def host_ns(self, mark: DeviceMark) -> Tuple[bool, Optional[int]]:
         """``(False, None)`` while the device has not got to ``mark``; then ``(True, t)``,
@@ -99,9 +89,9 @@ class DeviceClock:
                 return False, None
             clock = self._clocks.get(mark.device)
             if clock is None:
-                clock = (torch.cuda.Stream(mark.device),
-                         torch.cuda.Event(enable_timing=True, blocking=True))
-                self._clocks[mark.device] = clock
-            return True, host_times_ns([mark.event], *clock)[0]
+                clock = self._clocks[mark.device] = EventClock(torch.cuda.Stream(mark.device))
+            if clock.age_s() > EventClock.REFRESH_S:
+                clock.refresh()
+            return True, clock.host_times_ns([mark.event])[0]
         except RuntimeError:
             return True, None

@@ -136,29 +136,52 @@ def test_a_failed_writer_keeps_no_record_waiting_for_a_mark(tmp_path):
     assert writer.close(timeout=30)
 
 
-def test_host_times_are_now_less_each_event_s_lead_over_a_clock_recorded_now(monkeypatch):
+def test_the_writer_s_clock_maps_a_reached_mark_from_an_anchor_it_renews(monkeypatch):
+    import torch
+
+    from commsched.observer import DeviceMark
     from commsched.telemetry import device_clock
 
-    calls = []
+    anchors = []
 
-    class ClockEvent:
+    class Event:
+        """A device timer reading in ms (None: not reached); elapsed_time as CUDA's."""
+
+        def __init__(self, ms=None, enable_timing=False):
+            self.ms = ms
+
+        def query(self):
+            return self.ms is not None
+
         def record(self, stream):
-            calls.append(("record", stream))
+            self.ms = stream.now_ms
 
         def synchronize(self):
-            calls.append(("synchronize",))
-
-    class Timed:
-        def __init__(self, lead_ms):
-            self.lead_ms = lead_ms
+            anchors.append(self.ms)
 
         def elapsed_time(self, other):
-            assert calls == [("record", "idle"), ("synchronize",)]
-            return self.lead_ms
+            return other.ms - self.ms
 
-    monkeypatch.setattr(device_clock.time, "time_ns", lambda: 10 * MS)
-    got = device_clock.host_times_ns([Timed(2.0), Timed(0.5)], "idle", ClockEvent())
-    assert got == [8 * MS, int(9.5 * MS)]
+    class Stream:
+        now_ms = 100.0
+
+        def __init__(self, device=None):
+            pass
+
+    now = [10 * MS]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(device_clock.time, "time_ns", lambda: now[0])
+    clock = device_clock.DeviceClock()
+    assert clock.host_ns(DeviceMark("cuda:0", Event())) == (False, None)
+    assert anchors == []                               # (nothing to map yet)
+    # Device 100 ms is host 10 ms: a mark the device reached at 98 ms was host 8 ms.
+    assert clock.host_ns(DeviceMark("cuda:0", Event(98.0))) == (True, 8 * MS)
+    assert clock.host_ns(DeviceMark("cuda:0", Event(130.0))) == (True, 40 * MS)
+    assert anchors == [100.0]                          # one anchor for both
+    Stream.now_ms, now[0] = 1200.0, 1110 * MS + 500    # over a second later: renewed
+    assert clock.host_ns(DeviceMark("cuda:0", Event(1199.0))) == (True, 1109 * MS + 500)
+    assert anchors == [100.0, 1200.0]
 
 
 def test_event_clock_maps_events_from_its_anchor_and_waits_only_to_renew_it(monkeypatch):
