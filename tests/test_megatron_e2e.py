@@ -70,6 +70,9 @@ def test_extra_args_log_every_iteration_and_profile_three_after_skip(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--log-interval", "0"], "--log-interval"),
+    (["--set", "POLICY=fifo"], "'POLICY=fifo': expected VAR=VALUE"),
+    (["--set", "COMMSCHED_POLICY"], "'COMMSCHED_POLICY': expected VAR=VALUE"),
+    (["--set", "COMMSCHED=0"], "--set COMMSCHED=..."),
     (["--train-iters", "12", "--skip", "10", "--profile-dir", "p"], "--profile-dir"),
 ])
 def test_bad_measurement_flags_are_reported(tmp_path, capsys, flags, message):
@@ -120,6 +123,14 @@ def test_stock_and_patched_launches_run_and_are_tabled(tmp_path):
     run = doc["runs"][0]
     assert "under_commsched=False" in open(run["stock"]["log"]).read()
     assert "under_commsched=True" in open(run["patched"]["log"]).read()
+
+
+def test_set_exports_a_commsched_setting_in_the_patched_run_only(tmp_path):
+    doc = _run_fake_checkout(tmp_path, "--set", "COMMSCHED_POLICY=fifo")
+    run = doc["runs"][0]
+    assert "policy=fifo" in open(run["patched"]["log"]).read().splitlines()
+    assert "policy=" in open(run["stock"]["log"]).read().splitlines()
+    assert doc["settings"]["settings_env"] == {"COMMSCHED_POLICY": "fifo"}
 
 
 def test_the_launcher_only_variant_runs_under_the_launcher_with_nothing_patched(tmp_path):

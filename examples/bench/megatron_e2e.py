@@ -5,8 +5,9 @@ patch-launch`, in one command (the protocol's comparison 7, rows 7a/7b).
 
 For each regime (``--regimes``), round (``--rounds``) and setting (``--settings``) it runs
 ``examples/megatron/run_gpt.sh`` from the Megatron-LM checkout twice, stock and patched
-(``COMMSCHED=1``), one after the other, and reads each log's "elapsed time per iteration
-(ms)" and "lm loss" at every logged iteration. Settings:
+(``COMMSCHED=1``, plus any ``--set COMMSCHED_...=VALUE``), one after the other, and reads
+each log's "elapsed time per iteration (ms)" and "lm loss" at every logged iteration.
+Settings:
 
   no_overlap       gradients all-reduced after the backward
   overlap_grad     --overlap-grad-reduce
@@ -319,6 +320,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--launcher-only", action="store_true",
                         help="also run the patched script with COMMSCHED=0 (commsched.run, "
                              "nothing patched)")
+    parser.add_argument("--set", metavar="VAR=VALUE", action="append", default=[],
+                        dest="settings_env",
+                        help="a COMMSCHED* variable for the patched run, exported by its "
+                             "launch script as `commsched patch-launch --set` writes it "
+                             "(repeatable; e.g. COMMSCHED_POLICY=fifo); this script's own "
+                             "environment passes no COMMSCHED* variable on")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -345,6 +352,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds one launch may take (default 300)")
     parser.add_argument("--out", type=Path, default=Path("megatron_e2e.json"))
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "megatron_patches"))
+    from launch_script import _setting
+
+    try:
+        args.settings_env = dict(_setting(arg) for arg in args.settings_env)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--set {error}")
+    if "COMMSCHED" in args.settings_env:
+        parser.error("--set COMMSCHED=...: the patched run has COMMSCHED=1 (and "
+                     "--launcher-only a run with 0)")
     for name, choices in (("settings", SETTINGS), ("regimes", REGIMES)):
         for value in getattr(args, name).split(","):
             if value not in choices:
@@ -384,7 +401,6 @@ def extra_args(args: argparse.Namespace, run_name: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(ROOT / "megatron_patches"))
     from launch_script import patch_script
 
     log_dir = args.log_dir or args.out.with_suffix("").with_name(args.out.stem + "_logs")
@@ -395,7 +411,8 @@ def main(argv=None) -> int:
         stock_script = tmp_path / "run_gpt.sh"
         shutil.copy(LAUNCH_SCRIPT, stock_script)
         patched_script = tmp_path / "run_gpt_commsched.sh"
-        patched_script.write_text(patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "1"}))
+        patched_script.write_text(patch_script(LAUNCH_SCRIPT.read_text(),
+                                               {"COMMSCHED": "1", **args.settings_env}))
         variants = [("stock", stock_script), ("patched", patched_script)]
         if args.launcher_only:
             launcher_script = tmp_path / "run_gpt_launcher.sh"
