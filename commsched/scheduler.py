@@ -42,11 +42,11 @@ later, from the launch stream after that event, by the next submission, the end 
 iteration, or the completion thread when credit comes back.
 
 Invariant 2 (completion means device completion): credit is returned, and gloo futures
-are resolved, by a completion thread per lane that blocks (GIL released) in ``work.wait()``
-(gloo) or ``Event.synchronize()`` on an event recorded on the done stream after the
-collectives (CUDA), never when a collective was merely enqueued. Consumers order themselves
-after the collectives on the device: ``Request.wait()`` or ``Scheduler.join()`` make the
-current stream wait for them.
+are resolved, by a completion thread per lane (completion.py) that blocks (GIL released) in
+``work.wait()`` (gloo) or ``Event.synchronize()`` on an event recorded on the done stream
+after the collectives (CUDA), never when a collective was merely enqueued. Consumers order
+themselves after the collectives on the device: ``Request.wait()`` or ``Scheduler.join()``
+make the current stream wait for them.
 
 Completion hand-off. Waking the completion thread costs a GIL hand-off each way, more than
 issuing a collective, so it is woken only for what somebody waits on: a step whose credit,
@@ -76,6 +76,16 @@ for issuing. ``end_iteration`` queues the iteration's end and returns once the d
 thread took it in, so every iteration reaches the lane in the caller's order relative to
 the caller's own calls. Safe only where the caller issues no collective of its own on the
 group meanwhile.
+
+Who owns what. A lane's state is split along what it does, each piece with one owner, all
+under the lane's one lock (bar the dispatch thread's queue): the lane (``_Lane``) owns the
+dispatch order (its iterations, the plan in force, the chunk being issued), the credit
+(bytes in flight), the requests not yet resolved and the lane's failure; it issues steps
+(``_issue``, ``_issue_direct``, ``_issue_cuda``) and settles completed ones
+(``_complete``). Each ``_Iteration`` owns its requests and dispatch cursor; the
+``_Completion`` (completion.py) what was issued and not completed yet, the done stream,
+the CUDA events and clock that time it, and the completion thread; the
+``_DispatchThread`` its inbox and thread; the ``_Watchdog`` its period and thread.
 """
 
 from __future__ import annotations
@@ -87,12 +97,13 @@ import math
 import threading
 import time
 import weakref
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
+from .completion import _Completion, _InFlight
 from .config import DECOMPOSITIONS, Config
 from .errors import CommschedError
 from .observer import ChunkRecord, DeviceMark, IterationRecord
@@ -110,15 +121,6 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
 _ALL_REDUCE = steps_for("all_reduce", "none")
-
-# Unfinished chunks that may wait for their completion before the completion thread is
-# woken for them anyway (bounds the events and staging buffers they hold).
-LAZY_ITEMS = 64
-POLLED_ITEMS = 4 * LAZY_ITEMS
-# The completion thread of a polled lane looks at an unfinished event after WAIT_POLL_S,
-# then at intervals doubling up to WAIT_POLL_MAX_S (see _Lane._wait).
-WAIT_POLL_S = 0.0002
-WAIT_POLL_MAX_S = 0.004
 
 
 class SchedulerError(CommschedError, RuntimeError):
@@ -233,38 +235,6 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.key!r}, op={self.op}, numel={self.tensor.numel()}, "
                 f"chunks={len(self.chunks)}, priority={self.priority})")
-
-
-class _InFlight:
-    """One issued collective step, until the completion thread completed it; or, on CUDA,
-    a batch of consecutive steps of the lane's own group that nobody needs one by one
-    (``chunk`` None: no timings, no credit, no copy back), completed together."""
-
-    __slots__ = ("chunk", "step", "work", "start", "end", "error", "keep_end", "nbytes",
-                 "count", "t_first_ns", "iteration", "open")
-
-    def __init__(self, chunk: Optional[Chunk], step: int, work, start, end,
-                 keep_end: bool = False):
-        self.chunk = chunk
-        self.step = step
-        self.work = work              # a batch's: its newest (NCCL runs them in order)
-        self.start = start            # timed CUDA event before it (telemetry, tuner)
-        self.end = end                # CUDA event after it on the done stream, or None
-        self.error: Optional[BaseException] = None
-        self.keep_end = keep_end      # ``end`` is a request's done_event: not pooled
-        self.nbytes = 0               # a batch's payload bytes (chunks counted once)
-        self.count = 0                # a batch's steps
-        self.t_first_ns = 0           # a batch's first dispatch
-        self.iteration = -1           # a batch's first step's iteration
-        self.open = False             # a batch that the next lean step may join
-
-    def describe(self) -> str:
-        if self.chunk is None:
-            return (f"{self.count} collectives ({self.nbytes} bytes) issued from iteration "
-                    f"{self.iteration} on")
-        req = self.chunk.request
-        return (f"{req.steps[self.step]} of chunk {self.chunk.index}/{len(req.chunks)} of "
-                f"request {req.key!r} ({self.chunk.nbytes} bytes, iteration {req.iteration})")
 
 
 class _Iteration:
@@ -467,23 +437,25 @@ class _Watchdog:
     in flight longer than its period (the caller stopped ending iterations: the end of
     training, an evaluation), which the completion thread then frees and this thread
     times; and, where the caller completes (``polled``) timed steps, renews the anchor of
-    the lane's event clock, so that mapping their end events onto the host clock never
-    waits on the caller's thread. Owns its period and thread; reads the lane's state under
-    the lane's lock."""
+    the event clock of the lane's completion side, so that mapping their end events onto
+    the host clock never waits on the caller's thread. Owns its period and thread; reads
+    the state of the lane and of its completion side under the lane's lock."""
 
     __slots__ = ("lane", "period", "thread")
 
     def __init__(self, lane: "_Lane"):
         self.lane = lane
+        polled = lane.completion.polled
         self.period = min(max(lane.timeout_s / 10.0, 0.05), 5.0,
-                          EventClock.REFRESH_S if lane.polled and lane.timed else math.inf)
+                          EventClock.REFRESH_S if polled and lane.timed else math.inf)
         self.thread = start_thread(self._run, f"commsched-{lane.name}-watchdog",
                                    f"cs-{lane.name}-watchdog")
 
     def _run(self) -> None:
         lane = self.lane
+        completion = lane.completion
         while not lane.stopping.wait(self.period):
-            clock = lane.clock if lane.polled else None
+            clock = completion.clock if completion.polled else None
             if clock is not None:
                 try:
                     clock.refresh()           # (not under the lock: it waits for the device)
@@ -493,11 +465,11 @@ class _Watchdog:
                 if lane.failure is not None:
                     return
                 # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
-                item = lane.waiting_item
+                item = completion.waiting_item
                 if item is None:
                     self._hand_over_stale()
                     continue
-                if time.monotonic() - lane.waiting_since <= lane.timeout_s:
+                if time.monotonic() - completion.waiting_since <= lane.timeout_s:
                     continue
                 lane._fail(SchedulerError(
                     f"commsched: {item.describe()} on lane {lane.name} (ranks "
@@ -515,18 +487,23 @@ class _Watchdog:
     def _hand_over_stale(self) -> None:
         """Ring the completion thread for what a polled lane issued over a period ago
         (lane's lock held)."""
-        lane = self.lane
-        if not (lane.polled and lane.in_flight and lane.must_complete < lane.head_seq):
+        completion = self.lane.completion
+        in_flight = completion.in_flight
+        if not (completion.polled and in_flight
+                and completion.must_complete < completion.head_seq):
             return
-        head = lane.in_flight[0]
+        head = in_flight[0]
         issued = head.t_first_ns if head.chunk is None else head.chunk.t_dispatch_ns
         if time.time_ns() - issued > self.period * 1e9:
-            lane._ring()
+            completion.ring()
 
 
 class _Lane:
     """Everything the scheduler does for one process group. ``lock`` guards all mutable
-    state; dispatch happens under it, so the dispatch sequence is totally ordered."""
+    state, the lane's and its parts' (its iterations, ``completion``, ``watchdog``;
+    ``inbox`` guards its queue itself); dispatch happens under it, so the dispatch sequence
+    is totally ordered. The lane owns the dispatch order, the credit, the requests and the
+    failure; it issues steps and settles the ones its completion side hands back."""
 
     def __init__(self, scheduler: "Scheduler", group, device: torch.device, name: str,
                  config: Config, threaded: bool = False):
@@ -577,29 +554,14 @@ class _Lane:
         self.bytes_dispatched = 0
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
-        # Issued, not yet completed, in issue order. in_flight[0] has sequence number
-        # head_seq; every item up to sequence number must_complete is waited for as soon as
-        # possible (see the module docstring, "Completion hand-off").
-        self.in_flight: "collections.deque[_InFlight]" = collections.deque()
-        # CUDA: the newest step issued on each process group (None: the lane's own), and
-        # the newest padded chunk's copy back ("copy"): what join() and _seal() wait for.
-        self.newest: Dict[object, object] = {}
-        self.head_seq = 0
-        self.must_complete = -1
-        self.wake = threading.Condition(self.lock)
-        self.completion_batches = 0
-        self.thread_batches = 0                   # of which the completion thread's
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.sum_options = all_reduce_options(_SUM)
         self.avg_options = all_reduce_options(_AVG)
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
         self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
-        self.waiting_item = None                      # what the completion thread waits on
-        self.waiting_since = 0.0
         self.stopping = threading.Event()
         self.topology: Optional[Topology] = None      # created on first use, every rank
-        self.events: "collections.deque" = collections.deque()
         # Ready events, recorded by submit() and free again once the request's first steps
         # were issued (a stream's wait on an event takes the event as recorded at the time
         # of the wait): no event is created and destroyed per request.
@@ -625,26 +587,17 @@ class _Lane:
         # with no per-step work at all (_issue_direct).
         self.batched = (self.cuda and self.lean and not self.timed
                         and not self.config.credit_bytes)
-        # CUDA without a credit window or tuner: nothing waits for a step's completion
-        # (credit), so nobody wakes the completion thread per iteration; the caller
-        # completes what the device finished at its next end of iteration (an event query
-        # each), see "Completion hand-off".
-        self.polled = self.cuda and not self.config.credit_bytes and self.tuner is None
+        # What was issued and not completed yet, and the thread that completes it; whether
+        # the caller completes instead (``polled``) is decided there.
+        self.completion = _Completion(self)
         if self.cuda:
             self.launch_stream = torch.cuda.Stream(device)
-            self.done_stream = torch.cuda.Stream(device)
         # Telemetry where the caller completes: the group times its own collectives, and
-        # a step needs no event after it (_issue_cuda, _device_times).
-        self.group_timed = (self.cuda and self.polled and self.observer is not None
+        # a step needs no event after it (_issue_cuda, _Completion.device_times).
+        self.group_timed = (self.cuda and self.completion.polled
+                            and self.observer is not None
                             and _enable_collective_timing(group))
-        self.group_end_ns = 0         # host-clock end of the group's newest timed step
-        # Maps events onto the host clock (_device_times): made where first needed; its
-        # anchor renewed by the watchdog where the caller completes, else by the completion
-        # thread once it is older than EventClock.REFRESH_S.
-        self.clock: Optional[EventClock] = None
         self.dispatched: List[Request] = []          # CUDA: fully issued, future not yet set
-        self.thread = start_thread(self._completion_loop, f"commsched-{name}",
-                                   f"cs-{name}-complete")
         # Config.dispatch="thread": a thread issues what the caller submits (_DispatchThread)
         self.inbox: Optional[_DispatchThread] = _DispatchThread(self) if threaded else None
         self.watchdog = _Watchdog(self)
@@ -794,7 +747,7 @@ class _Lane:
                 self.idle.wait()
             settled = self._collect()
         self._settle(settled)
-        if self.polled:
+        if self.completion.polled:
             self._complete(None)
         self._report(record)
         return record
@@ -883,14 +836,14 @@ class _Lane:
                         self.verify_queue.append((it.index, it.crc, it.sequence))
                     if self.tuner is not None:    # autotune: layouts, windows, in order
                         self.tuner.iteration_dispatched(it)
-                    if self.polled:
-                        self._close_newest()      # the caller completes it, later
+                    if self.completion.polled:
+                        self.completion.close_newest()    # the caller completes it, later
                     else:
-                        self._ring()              # complete the iteration's chunks
+                        self.completion.ring()    # complete the iteration's chunks
                     self.idle.notify_all()
                     continue
                 if credit and self.in_flight_bytes and self.in_flight_bytes + chunk.nbytes > credit:
-                    self._ring()                  # dispatch waits for a completion
+                    self.completion.ring()        # dispatch waits for a completion
                     return
                 if it.plan is not None and it.plan_pos < len(it.plan.order):
                     it.plan_pos += 1
@@ -900,7 +853,7 @@ class _Lane:
                 self.cur_chunk, self.cur_step = chunk, 0
             step = self.cur_step
             if step and not self.stream_ordered and chunk.steps_done < step:
-                self._ring()                      # dispatch waits for a completion
+                self.completion.ring()            # dispatch waits for a completion
                 return
             nsteps = len(chunk.request.steps)     # (read first: _issue may release it)
             self._issue(chunk, step)
@@ -1021,6 +974,7 @@ class _Lane:
             if req.chunks_issued == len(req.chunks):
                 req.issue_seq = self.requests_issued
                 self.requests_issued += 1
+        completion = self.completion
         if self.cuda:
             start, end, work = self._issue_cuda(chunk, step, last)
             if last and req.chunks_issued == len(req.chunks):
@@ -1032,78 +986,39 @@ class _Lane:
             # The newest step per process group (a topology step names its sub-group):
             # NCCL runs each group's collectives in issue order, so waiting for it waits
             # for every step issued before it on that group.
-            self.newest[req.steps[step] if req.cross_group else None] = work
+            completion.newest[req.steps[step] if req.cross_group else None] = work
             if end is None and start is None and not req.cross_group:
-                self._batch(chunk, step, last, work)
+                completion.batch(chunk, step, last, work)
             else:
-                self._close_batch()
-                self.in_flight.append(_InFlight(chunk, step, work, start, end,
-                                                end is not None and end is req.done_event))
+                completion.add(chunk, step, work, start, end,
+                               end is not None and end is req.done_event)
         else:
             work = chunk.works = issue_step(chunk, step)
-            self.in_flight.append(_InFlight(chunk, step, work, None, None))
+            completion.add(chunk, step, work, None, None, False)
         if nvtx:
             nvtx_range_pop()
         if self._urgent(chunk, last):
-            self._ring()
-        elif self.must_complete < self.head_seq:  # (not while the completion thread is at it)
-            self._bound_in_flight()
+            completion.ring()
+        else:
+            completion.bound()
 
     def _issue_direct(self, req: Request, chunk: Chunk) -> None:
         """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
         in a lane whose steps nobody needs one by one (``batched``): the collective from
         the caller's stream, the step into the open completion batch."""
+        completion = self.completion
         chunk.t_dispatch_ns = time.time_ns()
         req.chunks_issued = 1
         req.issue_seq = self.requests_issued
         self.requests_issued += 1
         # (issue_step, spelled out for a whole all-reduce; resolved at once, as
         # _take_dispatched would)
-        work = req.done_work = self.newest[None] = (
+        work = req.done_work = completion.newest[None] = (
             req.group.allreduce([req.tensor], req.reduce_options) if req.op == "all_reduce"
             else issue_step(chunk, 0))
         req.outcome = True
-        self._batch(chunk, 0, True, work)
-        if self.must_complete < self.head_seq:    # (not while the completion thread is at it)
-            self._bound_in_flight()
-
-    def _bound_in_flight(self) -> None:
-        """Keep what is issued and not completed bounded (lock held): past ``LAZY_ITEMS``
-        steps in one batch or items in flight the completion thread completes them; a lane
-        whose caller completes (``polled``) only closes an overgrown batch, and rings
-        where its caller lets items pile up (no end of iteration)."""
-        in_flight = self.in_flight
-        if self.polled:
-            if in_flight[-1].count >= LAZY_ITEMS:
-                self._close_newest()
-            elif len(in_flight) >= POLLED_ITEMS:
-                self._ring()
-        elif len(in_flight) >= LAZY_ITEMS or in_flight[-1].count >= LAZY_ITEMS:
-            self._ring()
-
-    def _batch(self, chunk: Chunk, step: int, last: bool, work) -> None:
-        """Add an untimed step with nothing waiting on its completion to the open batch."""
-        batch = self.in_flight[-1] if self.in_flight else None
-        if batch is None or not batch.open:
-            batch = _InFlight(None, 0, work, None, None)
-            batch.open = True
-            batch.t_first_ns = chunk.t_dispatch_ns
-            batch.iteration = chunk.request.iteration
-            self.in_flight.append(batch)
-        batch.work = work
-        batch.count += 1
-        if last:
-            batch.nbytes += chunk.nbytes
-            chunk.works = None            # (nothing completes it one by one)
-            chunk.request = None          # nothing reads it again: see _release
-
-    def _close_batch(self) -> None:
-        """An item of its own follows: the open batch ends, with an event of its own (the
-        item's event covers the batch only where both ran on one stream)."""
-        if self.in_flight and self.in_flight[-1].open:
-            batch = self.in_flight[-1]
-            batch.open = False
-            self._seal(batch)
+        completion.batch(chunk, 0, True, work)
+        completion.bound()
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
         """Issue one step on CUDA; returns (start event, end event, work).
@@ -1121,11 +1036,12 @@ class _Lane:
         the collective, issued here by the training thread, could hold up compute queued
         behind it in a shared hardware queue until the collective ended."""
         req = chunk.request
+        completion = self.completion
         timed = self.observer is not None or self.collecting
         start = None
         if req.ready_event is None and not (step and req.cross_group):
             if timed:
-                start = self._event()
+                start = completion.event()
                 start.record()
             work = issue_step(chunk, step)
         else:
@@ -1138,7 +1054,7 @@ class _Lane:
                     # The previous step ran on another group's stream: order on the device.
                     chunk.works.wait()
                 if timed:
-                    start = self._event()
+                    start = completion.event()
                     start.record(self.launch_stream)
                 work = issue_step(chunk, step)
             finally:
@@ -1148,23 +1064,24 @@ class _Lane:
         if not (timed or self.credit_bytes or padded):
             return start, None, work
         if self.group_timed and step == 0 and not (padded or req.cross_group):
-            # Its end from the group's own timing (_device_times). Not for a later step:
+            # Its end from the group's own timing (device_times). Not for a later step:
             # its start event, in whatever stream issued it, does not order it (the
             # step before it on the group's stream does).
             return start, None, work
+        done_stream = completion.done_stream
         caller = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self.done_stream)
+        torch.cuda.set_stream(done_stream)
         try:
             work.wait()
             if padded:
                 finish_chunk(chunk)
-            end = self._event() if not padded else torch.cuda.Event(
+            end = completion.event() if not padded else torch.cuda.Event(
                 enable_timing=True, blocking=True)
-            end.record(self.done_stream)
+            end.record(done_stream)
         finally:
             torch.cuda.set_stream(caller)
         if padded:
-            self.newest["copy"] = end
+            completion.newest["copy"] = end
             if req.chunks_issued == len(req.chunks):
                 req.done_event = end      # the copy back is what a waiter needs
         return start, end, work
@@ -1184,205 +1101,27 @@ class _Lane:
         # a wake-up per request would cost a GIL hand-off each.
         return (not last or req.waited or self.observer is not None or self.collecting)
 
-    def _ring(self) -> None:
-        """Have the completion thread complete everything issued so far (lock held)."""
-        newest = self.head_seq + len(self.in_flight) - 1
-        if self.in_flight and newest > self.must_complete:
-            item = self.in_flight[-1]
-            item.open = False
-            if self.cuda and item.end is None:
-                self._seal(item)
-            self.must_complete = newest
-            self.wake.notify()
-
-    def _close_newest(self) -> None:
-        """End the open batch, if any (lock held), with no event: the caller tells that it
-        finished from its newest collective (``Work.is_completed()``, a query of the
-        process group's own event). An event of the lane's would take a wait of its done
-        stream on the collective; where the device has one hardware queue
-        (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM sets it) such a wait holds up
-        whatever is queued behind it on any stream until the collective ends."""
-        if self.in_flight and self.in_flight[-1].open:
-            self.in_flight[-1].open = False
-
-    def _seal(self, item: _InFlight) -> None:
-        """Give ``item`` an end event after every step issued so far (on each group's
-        stream): what the completion thread waits for, once for a whole batch."""
-        caller = torch.cuda.current_stream(self.device)
-        torch.cuda.set_stream(self.done_stream)
-        try:
-            for work in self.newest.values():
-                work.wait()
-            item.end = self._event()
-            item.end.record(self.done_stream)
-        finally:
-            torch.cuda.set_stream(caller)
-
-    def _event(self):
-        """A CUDA event from the lane's pool (timed when telemetry needs durations)."""
-        try:
-            return self.events.pop()
-        except IndexError:
-            # Timed: the host-clock time of a step or batch comes from its events when it
-            # is completed later than it finished (_device_times). Blocking-sync where the
-            # completion thread waits for steps as they finish (not polled): it sleeps in
-            # synchronize() instead of spinning. Not on a polled lane, whose caller only
-            # queries them: the driver services each blocking-sync event's completion on a
-            # thread of its own (2 wake-ups per timed bucket of a DDP backward).
-            return torch.cuda.Event(enable_timing=True, blocking=not self.polled)
-
-    # ---- completion (completion thread) --------------------------------------------------
-    def _completion_loop(self) -> None:
-        if self.cuda:
-            torch.cuda.set_device(self.device)
-        while True:
-            with self.lock:
-                while self.must_complete < self.head_seq:
-                    if self.stopping.is_set():
-                        return            # (close() rang: everything issued was completed)
-                    self.wake.wait()
-                # NCCL: the watch stream completes items in issue order, so one wait on the
-                # last item that must complete covers every item before it; under a credit
-                # window the oldest goes first, as its credit is what dispatch waits for.
-                ordered = self.stream_ordered and not self.credit_bytes
-                index = self.must_complete - self.head_seq if ordered else 0
-                item = self.in_flight[index]
-                self.waiting_item, self.waiting_since = item, time.monotonic()
-            self._wait(item)
-            self._complete(item)
-            item = None       # not held while idle: a work may hold buffers (see _complete)
-
-    def _wait(self, item: _InFlight) -> None:
-        """Block until the item's collective finished on the device: on CUDA the event
-        recorded on the done stream after it (GIL released), on gloo ``work.wait()``. A
-        polled lane's events do not block (see _event): its completion thread, rung only
-        for what the caller left behind, looks at the event at growing intervals, until
-        the lane failed (its watchdog gave up on it)."""
-        try:
-            end = item.end
-            if end is None:
-                item.work.wait()
-            elif not self.polled:
-                end.synchronize()
-            else:
-                pause = WAIT_POLL_S
-                while not end.query():
-                    if self.failure is not None:
-                        item.error = self.failure
-                        return
-                    time.sleep(pause)
-                    pause = min(2 * pause, WAIT_POLL_MAX_S)
-        except Exception as exc:  # the collective failed (peer gone, timeout, ...)
-            item.error = exc
-
-    def _take_finished(self, waited: Optional[_InFlight]) -> List[_InFlight]:
-        """Pop, in issue order, the items up to ``waited`` (finished: the thread waited for
-        it, and on CUDA what precedes it finished first) and any finished after it; lock
-        held. Everything that finished is completed under one lock acquisition: fewer
-        hand-offs of the GIL between this thread and the training thread. ``waited`` None
-        (CUDA, the caller polls): the closed items at the head that finished."""
-        batch = []
-        in_flight = self.in_flight
-        seen = waited is None
-        while in_flight:
-            item = in_flight[0]
-            if seen and not self._finished(item, polled=waited is None):
-                break
-            in_flight.popleft()
-            self.head_seq += 1
-            if item is waited:
-                seen = True
-            elif not self.cuda:
-                self._wait(item)          # returns at once; surfaces a failure
-            batch.append(item)
-        return batch
-
-    @staticmethod
-    def _finished(item: _InFlight, polled: bool) -> bool:
-        """Whether ``item`` finished on the device, never blocking: its end event, else its
-        newest collective. A caller polling (``polled``) leaves the batch still open (the
-        iteration's, which later steps may join) to its next end of iteration."""
-        if item.end is not None:
-            return item.end.query()
-        if polled and item.open:
-            return False
-        return item.work.is_completed()
-
-    def _device_times(self, batch: List[_InFlight],
-                      t_seen: int) -> List[Tuple[Optional[int], int]]:
-        """Host-clock (start, end) of each item's collective on the device, start None
-        where no event tells it (the step's dispatch stands in, see _complete). Events
-        are mapped onto the host clock by the lane's ``EventClock`` (the thread may get to
-        an item long after it finished; no wait there):
-
-        * an end event: its time, and the start that much earlier as the start event
-          says;
-        * a start event alone (``group_timed``): the collective began at the later of its
-          start event (its inputs ready in the issuing stream) and the end of the group's
-          previous one (NCCL runs a group's collectives in issue order), and took what
-          the process group measured (``Work._get_duration()``);
-        * no event (an untimed completion batch, gloo), or one that cannot be timed (a
-          failed step): ``t_seen``, when this thread saw it finish."""
-        times: List[Tuple[Optional[int], int]] = [(None, t_seen)] * len(batch)
-        if not self.cuda or all(item.start is None and item.end is None for item in batch):
-            return times                  # (nothing reads a batch's time: _complete_batch)
-        clock = self.clock
-        if clock is None:
-            clock = self.clock = EventClock(torch.cuda.Stream(self.device))    # (idle stream)
-        if not self.polled and clock.age_s() > EventClock.REFRESH_S:
-            try:
-                clock.refresh()           # (the completion thread: it may wait)
-            except RuntimeError:
-                return times              # a failing device
-        previous = self.group_end_ns
-        for index, item in enumerate(batch):
-            start, end = item.start, item.end
-            if item.error is not None or (start is None and end is None):
-                continue
-            try:
-                if end is not None:
-                    t_end = clock.host_times_ns([end])[0]
-                    t_start = (None if start is None
-                               else t_end - int(start.elapsed_time(end) * 1e6))
-                else:
-                    t_start = max(clock.host_times_ns([start])[0], previous)
-                    t_end = t_start + int(item.work._get_duration() * 1e6)
-            except RuntimeError:          # an event that did not complete (a failure)
-                continue
-            times[index] = (t_start, t_end)
-            if item.chunk is None or not item.chunk.request.cross_group:
-                previous = max(previous, t_end)       # (a step on the lane's own group)
-        self.group_end_ns = previous
-        return times
-
+    # ---- completion (completion thread, or a polled lane's caller) ----------------------
     def _complete(self, waited: Optional[_InFlight]) -> None:
-        """Complete ``waited`` and what finished with it (completion thread), or, with
+        """Settle ``waited`` and what finished with it (completion thread), or, with
         ``waited`` None, what the device finished of what the caller must complete
         (``polled``: the caller's thread, at its end of iteration; nothing where the
-        completion thread was rung)."""
+        completion thread was rung): ``_Completion.take`` hands them over; their credit
+        comes back, their requests' outcomes are set, dispatch goes on."""
+        completion = self.completion
         t_seen = time.time_ns()
         records = []
         finished = []
         released: List[Chunk] = []
         failed: List[Request] = []
         with self.lock:
-            if waited is None:
-                if self.waiting_item is not None or self.must_complete >= self.head_seq:
-                    return                # (the completion thread is at it)
-                batch = self._take_finished(None)
-                if not batch:
-                    return
-            else:
-                self.waiting_item = None
-                batch = self._take_finished(waited)
-                self.thread_batches += 1
-            self.completion_batches += 1
-            times = self._device_times(batch, t_seen)
-            if not self.in_flight:
-                self.newest.clear()       # (a work may hold buffers, see below)
+            taken = completion.take(waited, t_seen)
+            if taken is None:
+                return
+            batch, times = taken
             for item, (t_start, t_end) in zip(batch, times):
                 chunk, step, error = item.chunk, item.step, item.error
-                if chunk is None:             # a batch of steps (CUDA, see _batch)
+                if chunk is None:             # a batch of steps (CUDA, see _Completion.batch)
                     self._complete_batch(item)
                     continue
                 req = chunk.request
@@ -1435,11 +1174,7 @@ class _Lane:
                 for record in built:
                     self.tuner.on_chunk(record)
         _release(released)
-        for item in batch:
-            if item.start is not None:
-                self.events.append(item.start)
-            if item.end is not None and not item.keep_end:
-                self.events.append(item.end)
+        completion.recycle(batch)
         for req in finished:
             if req._future is not None:
                 _settle_outcome(req)
@@ -1473,19 +1208,20 @@ class _Lane:
         with self.lock:
             req.waited = True
             if req.chunks_issued == len(req.chunks):
-                self._ring()
+                self.completion.ring()
 
     def join(self) -> None:
         """The caller waits for every collective issued on the lane so far: on CUDA its
         current stream does, on the device (the host does not); on CPU the host does,
         until the completion thread completed them (their futures resolved)."""
+        completion = self.completion
         with self.lock:
             if self.cuda:
-                waits = list(self.newest.values())
+                waits = list(completion.newest.values())
             else:
-                target = self.head_seq + len(self.in_flight)
-                self._ring()
-                while self.head_seq < target and self.failure is None:
+                target = completion.head_seq + len(completion.in_flight)
+                completion.ring()
+                while completion.head_seq < target and self.failure is None:
                     self.idle.wait()
                 if self.failure is not None:
                     raise self.failure
@@ -1496,7 +1232,7 @@ class _Lane:
     def drain(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            self._ring()
+            self.completion.ring()
             while (self.iterations or self.in_flight_bytes) and self.failure is None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -1512,17 +1248,7 @@ class _Lane:
             # What was queued is taken in and dispatched first, as inline it would have been.
             self.inbox.close()
         self.stopping.set()
-        # The completion thread completes what was issued, then ends. (A thread stuck in a
-        # failed collective may hold the lock: do not wait for it.)
-        if self.lock.acquire(timeout=1):
-            try:
-                self._ring()
-                self.wake.notify()
-            finally:
-                self.lock.release()
-        # After a failure the completion thread may be stuck in a collective that will
-        # never finish; it is a daemon thread and must not hold up the exit.
-        self.thread.join(timeout=1 if self.failure is not None else 10)
+        self.completion.close()                   # (completes what was issued, then ends)
         self.watchdog.thread.join(timeout=1)      # (wakes at `stopping`)
 
 
@@ -1545,9 +1271,9 @@ def _release(chunks: List[Chunk]) -> None:
     reference each other, and a cycle left in place would be freed by Python's cycle
     collector only, whose collections a lean step must not trigger (each costs the
     training thread a pause that grows with the process's heap). Once a chunk's last step
-    went into a completion batch (CUDA: nothing completes it one by one, ``_batch``) or
-    completed (``_complete``), nothing reads ``chunk.request`` again; ``request.chunks``
-    stays."""
+    went into a completion batch (CUDA: nothing completes it one by one,
+    ``_Completion.batch``) or completed (``_complete``), nothing reads ``chunk.request``
+    again; ``request.chunks`` stays."""
     for chunk in chunks:
         chunk.request = None
 
@@ -1820,8 +1546,8 @@ class Scheduler:
             return {"iterations": lane.iteration_count, "chunks": lane.chunks_dispatched,
                     "bytes": lane.bytes_dispatched,
                     "peak_in_flight_bytes": lane.peak_in_flight_bytes,
-                    "completion_batches": lane.completion_batches,
-                    "thread_batches": lane.thread_batches}
+                    "completion_batches": lane.completion.batches,
+                    "thread_batches": lane.completion.thread_batches}
 
     def tuning_log(self, group=None) -> List[dict]:
         """The autotuner's decisions on ``group``'s lane, oldest first (identical on every

@@ -89,9 +89,11 @@ def install() -> None:
         lane_init(self, *args, **kwargs)
         self.cuda = self.stream_ordered = True
         self.batched = self.lean and not self.timed and not self.config.credit_bytes
-        self.polled = not self.config.credit_bytes and self.tuner is None
+        completion = self.completion
+        completion.cuda = True
+        completion.polled = not self.config.credit_bytes and self.tuner is None
         # (gloo's works cannot time themselves: their steps keep their completion's time)
-        self.group_timed = self.polled and self.observer is not None
-        self.launch_stream, self.done_stream = FakeStream(), FakeStream()
+        self.group_timed = completion.polled and self.observer is not None
+        self.launch_stream, completion.done_stream = FakeStream(), FakeStream()
 
     scheduler._Lane.__init__ = init

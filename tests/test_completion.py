@@ -109,7 +109,8 @@ def test_schedulers_left_open_are_closed_at_exit(world1):
     req = sched.submit(torch.ones(1024), key="a")
     sched.end_iteration()
     req.wait()
-    threads = [t for lane in sched._lanes.values() for t in (lane.thread, lane.watchdog.thread)]
+    threads = [t for lane in sched._lanes.values()
+               for t in (lane.completion.thread, lane.watchdog.thread)]
     assert threads and all(t.is_alive() for t in threads)
     commsched.scheduler._close_at_exit()
     assert sched._closed and not any(t.is_alive() for t in threads)

@@ -63,9 +63,9 @@ def _cuda_paths(rank, world):
     def default_checks(it, reqs):
         nonlocal lane
         lane = sched._lanes[group]
-        assert lane.batched and lane.polled
+        assert lane.batched and lane.completion.polled
         assert all(r.issued_work() is not None for r in reqs)     # issued at once
-        assert len(lane.in_flight) <= 2, (it, len(lane.in_flight))
+        assert len(lane.completion.in_flight) <= 2, (it, len(lane.completion.in_flight))
         assert sched.stats()["thread_batches"] == 0
         assert lane.link_cost.nbytes == 0           # batches are not link time
     _iterations(sched, rank, 6, backwards, default_checks)
@@ -93,9 +93,9 @@ def _cuda_paths(rank, world):
     _iterations(sched, rank, 5, list(range(len(SIZES))),
                 lambda it, reqs: held.append(sum(r.issued_work() is None for r in reqs)))
     lane = sched._lanes[group]
-    assert not lane.batched and lane.polled
+    assert not lane.batched and lane.completion.polled
     sched.drain(timeout=30)
-    assert not lane.in_flight and lane.in_flight_bytes == 0
+    assert not lane.completion.in_flight and lane.in_flight_bytes == 0
     chunks = sum(-(-n * 4 // 1024) for n in SIZES)
     assert len(records.chunks) == 5 * chunks
     assert [r.iteration for r in records.iterations] == list(range(5))
@@ -112,12 +112,12 @@ def _cuda_paths(rank, world):
     sched = commsched.Scheduler(Config(partition_bytes=512, credit_bytes=2048))
     _iterations(sched, rank, 4, backwards)
     lane = sched._lanes[group]
-    assert not lane.polled
+    assert not lane.completion.polled
     sched.drain(timeout=30)
-    assert lane.in_flight_bytes == 0 and not lane.in_flight
+    assert lane.in_flight_bytes == 0 and not lane.completion.in_flight
     assert 0 < sched.stats()["peak_in_flight_bytes"] <= 2048 + 512
     assert sched.stats()["thread_batches"] > 0
-    assert set(anchors) == {lane.thread.ident}
+    assert set(anchors) == {lane.completion.thread.ident}
     EventClock.refresh = refresh
     sched.close()
 
@@ -144,12 +144,12 @@ def _cuda_paths(rank, world):
     sched = commsched.Scheduler(Config(timeout_s=1, policy="fifo"))   # watchdog: 0.1 s
     _iterations(sched, rank, 2, backwards)
     last = sched.submit(torch.full((100,), float(rank + 1)), key="last")
-    lane = sched._lanes[group]
-    assert lane.in_flight and lane.in_flight[-1].end is None
+    in_flight = sched._lanes[group].completion.in_flight
+    assert in_flight and in_flight[-1].end is None
     deadline = time.monotonic() + 10
-    while lane.in_flight and time.monotonic() < deadline:
+    while in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not lane.in_flight
+    assert not in_flight
     assert sched.stats()["thread_batches"] >= 1
     assert torch.equal(last.wait(), torch.full((100,), 3.0))
     sched.end_iteration()

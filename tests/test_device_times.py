@@ -1,10 +1,12 @@
-"""The host-clock times a lane gives its timed steps on CUDA (``_Lane._device_times``),
-against times worked out by hand from the device times the fakes below report; and how
-a polled lane's completion thread waits for an event (``_Lane._wait``)."""
+"""The host-clock times a lane gives its timed steps on CUDA
+(``_Completion.device_times``), against times worked out by hand from the device times the
+fakes below report; and how a polled lane's completion thread waits for an event
+(``_Completion.wait``)."""
 
 from types import SimpleNamespace
 
-from commsched.scheduler import _InFlight, _Lane
+from commsched.completion import _Completion, _InFlight
+from commsched.scheduler import _Lane
 from commsched.telemetry.device_clock import EventClock
 
 MS = 1_000_000                    # ns per ms
@@ -34,8 +36,9 @@ class TimedWork:
         return self.duration / MS
 
 
-def lane(previous_end=0):
-    """What _device_times reads of a polled CUDA lane: host clock = device clock + 10 s."""
+def completion(previous_end=0):
+    """What device_times reads of a polled CUDA lane's completion side: host clock =
+    device clock + 10 s."""
     clock = EventClock(stream=None)
     clock.anchor = (DeviceEvent(0), 10_000 * MS)
     return SimpleNamespace(cuda=True, polled=True, clock=clock, group_end_ns=previous_end)
@@ -49,11 +52,11 @@ def step(start=None, end=None, duration=None, cross_group=False):
 
 
 def test_a_step_starts_when_ready_or_when_the_groups_previous_step_ended():
-    host = lane(previous_end=10_000 * MS + 5 * MS)
+    host = completion(previous_end=10_000 * MS + 5 * MS)
     batch = [step(start=2 * MS, duration=3 * MS),      # ready early: after the previous
              step(start=20 * MS, duration=1 * MS),     # ready after the previous ended
              step(start=20 * MS + 500, duration=2 * MS)]
-    times = _Lane._device_times(host, batch, t_seen=99)
+    times = _Completion.device_times(host, batch, t_seen=99)
     t0 = 10_000 * MS
     assert times == [(t0 + 5 * MS, t0 + 8 * MS),
                      (t0 + 20 * MS, t0 + 21 * MS),
@@ -62,39 +65,39 @@ def test_a_step_starts_when_ready_or_when_the_groups_previous_step_ended():
 
 
 def test_end_events_give_the_end_and_start_events_the_start():
-    host = lane()
-    times = _Lane._device_times(host, [step(start=4 * MS, end=7 * MS)], t_seen=99)
+    host = completion()
+    times = _Completion.device_times(host, [step(start=4 * MS, end=7 * MS)], t_seen=99)
     assert times == [(10_004 * MS, 10_007 * MS)]
 
 
 def test_a_step_with_an_end_event_on_the_group_moves_the_groups_end_on():
-    host = lane()
+    host = completion()
     t0 = 10_000 * MS
     batch = [step(start=1 * MS, end=6 * MS),              # (sealed: an end event)
              step(start=2 * MS, end=9 * MS, cross_group=True),   # another group's
              step(start=3 * MS, duration=1 * MS)]
-    times = _Lane._device_times(host, batch, t_seen=99)
+    times = _Completion.device_times(host, batch, t_seen=99)
     assert times[2] == (t0 + 6 * MS, t0 + 7 * MS)
     assert host.group_end_ns == t0 + 7 * MS
 
 
 def test_steps_that_cannot_be_timed_are_seen_when_completed():
-    host = lane()
+    host = completion()
     failed = step(start=1 * MS, duration=2 * MS)
     failed.error = RuntimeError("peer gone")
     batch = [step(start=1 * MS, duration=None),        # the group could not time it
              step(start=None, end=None),               # untimed
              failed,
              step(start=5 * MS, end=None, duration=1 * MS)]
-    times = _Lane._device_times(host, batch, t_seen=42)
+    times = _Completion.device_times(host, batch, t_seen=42)
     assert times[:3] == [(None, 42)] * 3
     assert times[3] == (10_005 * MS, 10_006 * MS)
 
 
 def test_a_batch_without_events_maps_nothing():
-    host = lane()
+    host = completion()
     host.clock = None                                  # would be made, on a device
-    assert _Lane._device_times(host, [step(), step()], t_seen=7) == [(None, 7)] * 2
+    assert _Completion.device_times(host, [step(), step()], t_seen=7) == [(None, 7)] * 2
     assert host.clock is None
 
 
@@ -113,24 +116,24 @@ class LateEvent:
 
 
 def test_a_polled_lanes_completion_thread_looks_until_the_event_completed():
-    host = SimpleNamespace(polled=True, failure=None)
+    host = SimpleNamespace(polled=True, lane=SimpleNamespace(failure=None))
     item = _InFlight(chunk=object(), step=0, work=None, start=None, end=LateEvent(4))
-    _Lane._wait(host, item)
+    _Completion.wait(host, item)
     assert item.end.queries == 4 and item.error is None
 
 
 def test_it_stops_looking_once_the_lane_failed():
     failure = RuntimeError("the watchdog gave up")
-    host = SimpleNamespace(polled=True, failure=None)
+    host = SimpleNamespace(polled=True, lane=SimpleNamespace(failure=None))
 
     class NeverCompletes(LateEvent):
         def query(self):
             if super().query() is False and self.queries == 3:
-                host.failure = failure    # (the watchdog, meanwhile)
+                host.lane.failure = failure   # (the watchdog, meanwhile)
             return False
 
     item = _InFlight(chunk=object(), step=0, work=None, start=None, end=NeverCompletes(None))
-    _Lane._wait(host, item)
+    _Completion.wait(host, item)
     assert item.error is failure and item.end.queries == 3
 
 
@@ -150,8 +153,9 @@ def test_only_a_first_step_leaves_its_end_to_the_groups_timing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     host = SimpleNamespace(observer=object(), collecting=False, credit_bytes=0,
-                           group_timed=True, device=None, done_stream=FakeStream(),
-                           _event=FakeEvent)
+                           group_timed=True, device=None,
+                           completion=SimpleNamespace(done_stream=FakeStream(),
+                                                      event=FakeEvent, newest={}))
     request = SimpleNamespace(ready_event=None, cross_group=False)
     chunk = SimpleNamespace(request=request, staging=None, works=None)
     start, end, _ = _Lane._issue_cuda(host, chunk, 0, last=False)

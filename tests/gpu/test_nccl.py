@@ -175,19 +175,20 @@ def _polled_completion(rank, world, port):
         reqs = [sched.submit(t, key=i, priority=2 - i) for i, t in enumerate(ts)]
         sched.end_iteration()
         lane = sched._lanes[dist.group.WORLD]
-        assert len(lane.in_flight) <= 2, (it, len(lane.in_flight))
+        in_flight = lane.completion.in_flight
+        assert len(in_flight) <= 2, (it, len(in_flight))
         assert sched.stats()["thread_batches"] == 0, it
         if it < iterations - 1:
             for r in reqs:
                 assert torch.equal(r.wait().cpu(), expected)
             time.sleep(0.1)
     assert sched.stats()["completion_batches"] >= 1
-    assert lane.in_flight                     # the last iteration's batch
+    assert in_flight                          # the last iteration's batch
     # Iterations stopped: the watchdog hands the last batch to the completion thread.
     deadline = time.monotonic() + 10
-    while lane.in_flight and time.monotonic() < deadline:
+    while in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not lane.in_flight
+    assert not in_flight
     assert sched.stats()["thread_batches"] >= 1
     for r in reqs:
         assert torch.equal(r.wait().cpu(), expected)
