@@ -6,7 +6,7 @@ The engine replays the scheduler's policy, reusing its code where the policy is 
 * steps per chunk: :func:`commsched.collectives.steps_for` (rs_ag = reduce_scatter then
   all_gather);
 * dispatch order: submission order (fifo); or (priority) a given plan — e.g. the one a
-  recorded run used — followed as ``_Lane._peek`` follows it, else the plan
+  recorded run used — followed as ``_Iteration.peek`` follows it, else the plan
   :func:`commsched.plan.lane_plan` makes from the iteration's own submission profile (in
   mode dp with ``plan_forward``: the order that ends the next forward soonest), with
   the cost per byte the scheduler would have measured in its fifo warm-up iterations (chunk
@@ -294,7 +294,7 @@ def _replay_lane(lane: str, reqs: List[SimRequest], cost_model, config: SimConfi
 
 
 def _follow_plan(reqs, chunks, plan: Plan):
-    """The scheduler's dispatch order under ``plan`` (``_Lane._peek``): planned chunks of
+    """The scheduler's dispatch order under ``plan`` (``_Iteration.peek``): planned chunks of
     requests submitted with the planned chunk count, then the rest in submission order."""
     index = {r.key: i for i, r in enumerate(reqs)}
     planned = {i for i, r in enumerate(reqs) if plan.layout.get(r.key) == len(chunks[i])}
