@@ -77,19 +77,18 @@ class _Completion:
     recorded on it, the event clock, and the completion thread with its wait
     bookkeeping. The lane's issue path adds to it (``add``, ``batch``) and says when its
     thread must complete (``ring``, ``bound``, ``close_newest``); the lane settles what
-    ``take`` hands back. Reads of the lane: its failure, ``stopping``, and what decides
-    the completion order (``stream_ordered``, ``credit_bytes``)."""
+    ``take`` hands back. Reads of the lane: its device (``cuda``, ``device``), its failure,
+    ``stopping``, and what decides the completion order (``stream_ordered``,
+    ``credit_bytes``)."""
 
-    __slots__ = ("lane", "lock", "cuda", "device", "polled", "done_stream", "in_flight",
-                 "head_seq", "must_complete", "newest", "events", "clock", "group_end_ns",
+    __slots__ = ("lane", "lock", "polled", "done_stream", "in_flight", "head_seq",
+                 "must_complete", "newest", "events", "clock", "group_end_ns",
                  "waiting_item", "waiting_since", "wake", "batches", "thread_batches",
                  "thread")
 
     def __init__(self, lane: "_Lane"):
         self.lane = lane
         self.lock = lane.lock
-        self.cuda = lane.cuda
-        self.device = lane.device
         # CUDA without a credit window or tuner: nothing waits for a step's completion
         # (credit), so nobody wakes the completion thread per iteration; the caller
         # completes what the device finished at its next end of iteration (an event query
@@ -171,7 +170,7 @@ class _Completion:
         if self.in_flight and newest > self.must_complete:
             item = self.in_flight[-1]
             item.open = False
-            if self.cuda and item.end is None:
+            if self.lane.cuda and item.end is None:
                 self.seal(item)
             self.must_complete = newest
             self.wake.notify()
@@ -189,7 +188,7 @@ class _Completion:
     def seal(self, item: _InFlight) -> None:
         """Give ``item`` an end event after every step issued so far (on each group's
         stream): what the completion thread waits for, once for a whole batch."""
-        caller = torch.cuda.current_stream(self.device)
+        caller = torch.cuda.current_stream(self.lane.device)
         torch.cuda.set_stream(self.done_stream)
         try:
             for work in self.newest.values():
@@ -215,8 +214,8 @@ class _Completion:
     # ---- completion thread ---------------------------------------------------------------
     def _loop(self) -> None:
         lane = self.lane
-        if self.cuda:
-            torch.cuda.set_device(self.device)
+        if self.lane.cuda:
+            torch.cuda.set_device(self.lane.device)
         while True:
             with self.lock:
                 while self.must_complete < self.head_seq:
@@ -303,6 +302,7 @@ class _Completion:
         caller polls): the closed items at the head that finished."""
         batch = []
         in_flight = self.in_flight
+        cuda = self.lane.cuda
         seen = waited is None
         while in_flight:
             item = in_flight[0]
@@ -312,7 +312,7 @@ class _Completion:
             self.head_seq += 1
             if item is waited:
                 seen = True
-            elif not self.cuda:
+            elif not cuda:
                 self.wait(item)           # returns at once; surfaces a failure
             batch.append(item)
         return batch
@@ -344,11 +344,12 @@ class _Completion:
         * no event (an untimed completion batch, gloo), or one that cannot be timed (a
           failed step): ``t_seen``, when this thread saw it finish."""
         times: List[Tuple[Optional[int], int]] = [(None, t_seen)] * len(batch)
-        if not self.cuda or all(item.start is None and item.end is None for item in batch):
+        lane = self.lane
+        if not lane.cuda or all(item.start is None and item.end is None for item in batch):
             return times          # (nothing reads a batch's time: lane._complete_batch)
         clock = self.clock
         if clock is None:
-            clock = self.clock = EventClock(torch.cuda.Stream(self.device))    # (idle stream)
+            clock = self.clock = EventClock(torch.cuda.Stream(lane.device))    # (idle stream)
         if not self.polled and clock.age_s() > EventClock.REFRESH_S:
             try:
                 clock.refresh()           # (the completion thread: it may wait)

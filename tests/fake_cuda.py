@@ -90,7 +90,6 @@ def install() -> None:
         self.cuda = self.stream_ordered = True
         self.batched = self.lean and not self.timed and not self.config.credit_bytes
         completion = self.completion
-        completion.cuda = True
         completion.polled = not self.config.credit_bytes and self.tuner is None
         # (gloo's works cannot time themselves: their steps keep their completion's time)
         self.group_timed = completion.polled and self.observer is not None

@@ -41,7 +41,8 @@ def completion(previous_end=0):
     device clock + 10 s."""
     clock = EventClock(stream=None)
     clock.anchor = (DeviceEvent(0), 10_000 * MS)
-    return SimpleNamespace(cuda=True, polled=True, clock=clock, group_end_ns=previous_end)
+    return SimpleNamespace(lane=SimpleNamespace(cuda=True, device=None), polled=True,
+                           clock=clock, group_end_ns=previous_end)
 
 
 def step(start=None, end=None, duration=None, cross_group=False):
