@@ -352,11 +352,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds one launch may take (default 300)")
     parser.add_argument("--out", type=Path, default=Path("megatron_e2e.json"))
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "megatron_patches"))
-    from launch_script import _setting
-
     try:
-        args.settings_env = dict(_setting(arg) for arg in args.settings_env)
+        args.settings_env = dict(_launch_script()._setting(arg)
+                                 for arg in args.settings_env)
     except argparse.ArgumentTypeError as error:
         parser.error(f"--set {error}")
     if "COMMSCHED" in args.settings_env:
@@ -387,6 +385,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _launch_script():
+    """This checkout's ``megatron_patches/launch_script.py`` (standard library only: no
+    megatron-core, no torch), which ``commsched patch-launch`` runs."""
+    folder = str(ROOT / "megatron_patches")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import launch_script
+
+    return launch_script
+
+
 def extra_args(args: argparse.Namespace, run_name: str) -> str:
     """pretrain_gpt.py arguments appended by run_gpt.sh (``EXTRA_ARGS``) for one run."""
     extra = ["--log-interval", str(args.log_interval)]
@@ -401,7 +410,7 @@ def extra_args(args: argparse.Namespace, run_name: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from launch_script import patch_script
+    patch_script = _launch_script().patch_script
 
     log_dir = args.log_dir or args.out.with_suffix("").with_name(args.out.stem + "_logs")
     log_dir.mkdir(parents=True, exist_ok=True)
