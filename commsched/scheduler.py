@@ -1213,15 +1213,16 @@ class _Lane:
     def join(self) -> None:
         """The caller waits for every collective issued on the lane so far: on CUDA its
         current stream does, on the device (the host does not); on CPU the host does,
-        until the completion thread completed them (their futures resolved)."""
+        until the completion thread completed them (their futures resolved), and the
+        later steps of a decomposed chunk that they release (issued as each completes)."""
         completion = self.completion
         with self.lock:
             if self.cuda:
                 waits = list(completion.newest.values())
             else:
-                target = completion.head_seq + len(completion.in_flight)
-                completion.ring()
-                while completion.head_seq < target and self.failure is None:
+                while ((completion.in_flight or self.cur_chunk is not None)
+                       and self.failure is None):
+                    completion.ring()
                     self.idle.wait()
                 if self.failure is not None:
                     raise self.failure

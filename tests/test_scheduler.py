@@ -100,6 +100,28 @@ def test_average_divides_before_the_sum_like_ddp():
     run_workers(_average_matches_ddp_semantics, 2, timeout=60)
 
 
+def _join_waits_for_every_step(rank, world):
+    """On gloo a decomposed chunk's all-gather is issued only once its reduce-scatter
+    completed: join() must wait for that later step too, not only for what was in flight
+    when it was called."""
+    sched = Scheduler(Config(decompose="rs_ag", partition_bytes=1024, policy="fifo"))
+    for it in range(3):
+        tensors = [rank_input(rank, it, i, n, torch.float32) for i, n in enumerate(SIZES)]
+        reqs = [sched.submit(t, key=i) for i, t in enumerate(tensors)]
+        sched.end_iteration()
+        sched.join()
+        assert all(req.done() for req in reqs)
+        for i, req in enumerate(reqs):
+            ref = (rank_input(0, it, i, SIZES[i], torch.float32)
+                   + rank_input(1, it, i, SIZES[i], torch.float32))
+            assert_reduced(req.tensor, ref, world)
+    sched.close()
+
+
+def test_join_waits_for_the_later_steps_of_a_decomposed_chunk():
+    run_workers(_join_waits_for_every_step, 2, timeout=60)
+
+
 def _reduce_scatter_and_all_gather(rank, world, partition_bytes):
     sched = Scheduler(Config(partition_bytes=partition_bytes, credit_bytes=256))
     shard = 37
