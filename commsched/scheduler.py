@@ -241,14 +241,16 @@ class _Iteration:
     """One lane iteration: the requests submitted between two end_iteration() calls, and
     the dispatch cursor over them (it owns the cursor: ``peek``; the lane moves it)."""
 
-    __slots__ = ("index", "requests", "by_key", "flushed", "plan", "profile", "resolved",
-                 "planned", "plan_pos", "req_pos", "chunk_pos", "t_first_ns", "crc",
-                 "sequence")
+    __slots__ = ("index", "requests", "by_key", "chunks", "nbytes", "flushed", "plan",
+                 "profile", "resolved", "planned", "plan_pos", "req_pos", "chunk_pos",
+                 "t_first_ns", "crc", "sequence")
 
     def __init__(self, index: int, profile: Optional[List[RequestProfile]], planned: bool):
         self.index = index
         self.requests: List[Request] = []
         self.by_key: Dict[Hashable, Request] = {}
+        self.chunks = 0               # of the requests so far, and their tensors' bytes
+        self.nbytes = 0
         self.flushed = False
         # The plan is resolved when the iteration reaches the head of the dispatch order:
         # only then is it certain, on every rank alike, which plan is in force.
@@ -288,6 +290,14 @@ class _Iteration:
             self.req_pos += 1
             self.chunk_pos = 0
         return _DONE if self.flushed else None
+
+    def add(self, req: Request, nbytes: int) -> None:
+        """``req``, of ``nbytes`` tensor bytes, joins the iteration."""
+        req.iteration = self.index
+        self.requests.append(req)
+        self.by_key[req.key] = req
+        self.chunks += len(req.chunks)
+        self.nbytes += nbytes
 
 
 _DONE = object()
@@ -667,9 +677,7 @@ class _Lane:
                     or plan.layout.get(req.key) != 1):
                 return False
         # (_take_in, less the outstanding record: the request is resolved right below)
-        req.iteration = it.index
-        it.requests.append(req)
-        it.by_key[req.key] = req
+        it.add(req, chunk.nbytes)
         req.at_once = True
         if plan is None:
             it.req_pos += 1                   # (what peek() would find: req fully issued)
@@ -704,9 +712,7 @@ class _Lane:
             raise SchedulerError(
                 f"request key {req.key!r} submitted twice in iteration {it.index} of "
                 f"lane {self.name}; call end_iteration() between iterations")
-        req.iteration = it.index
-        it.requests.append(req)
-        it.by_key[req.key] = req
+        it.add(req, req.tensor.numel() * req.tensor.element_size())
         self.outstanding[id(req)] = req
 
     def _collect(self):
@@ -771,10 +777,8 @@ class _Lane:
         it.flushed = True
         self._note_layout(it)
         record = IterationRecord(
-            self.name, it.index, it.t_first_ns, t_end_ns, len(it.requests),
-            sum(len(r.chunks) for r in it.requests),
-            sum(r.tensor.numel() * r.tensor.element_size() for r in it.requests),
-            it.planned, mark)
+            self.name, it.index, it.t_first_ns, t_end_ns, len(it.requests), it.chunks,
+            it.nbytes, it.planned, mark)
         self.last_iteration = record
         return record
 

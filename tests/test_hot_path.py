@@ -36,7 +36,8 @@ def test_a_request_next_in_order_is_issued_inside_submit(world1, issued):
     for i in range(3):
         sched.submit(torch.full((64,), float(i)), key=i)
         assert issued[-1] == (i, "MainThread")        # before submit() returned
-    sched.end_iteration()
+    record = sched.end_iteration()
+    assert (record.requests, record.chunks, record.nbytes) == (3, 3, 3 * 64 * 4)
     sched.drain(timeout=30)
     sched.close()
 
