@@ -134,6 +134,10 @@ def _lazy_completion(rank, world, port):
     chunks = 3 * 16                   # below LAZY_ITEMS: nothing rings before drain()
     for it in range(3):
         ts = [torch.full((1 << 20,), float(rank + 1), device="cuda") for _ in range(3)]
+        # Both ranks start together: a collective's device time runs from its start on
+        # this rank, waiting for a peer still checking the last iteration included.
+        dist.barrier()
+        torch.cuda.synchronize()
         reqs = [sched.submit(t, key=i) for i, t in enumerate(ts)]
         torch.cuda.synchronize()
         time.sleep(0.2)               # the chunks finished long before anybody asks
