@@ -38,24 +38,28 @@ request per iteration has nothing to plan, and a plan would add its exchange to 
 collective sequence), ``autotune=False`` and ``local_size=--local-size`` when given: the
 environment only contributes the knobs that observe (timeout, verify, NVTX, telemetry
 sampling). The ``--iters`` timed messages of a size are one scheduler iteration: that many
-``submit`` calls back to back, ``end_iteration``, then ``wait`` for each (so, as in
+``submit`` calls back to back, ``end_iteration``, then ``join`` (the caller's stream
+waits once for all of them, as the DDP hook does at the end of backward; so, as in
 nccl-tests, operations queue behind each other instead of each waiting for the last).
 
-With ``--rounds R`` the sweep over the variants runs R times, their order reversed every
-other round, and per size the median over rounds is the time per operation: the variants
-then see the same drift of the machine over the launch. Compare variants with R >= 3.
-
-Per size: ``--warmup`` untimed operations, then ``--repeats`` windows (default 1) of
-``--iters`` back to back between device synchronizations, in place on a float32 buffer of
-zeros (the contents do not change a collective's speed, and zeros summed in place cannot
-overflow). Time per operation is the median window's total over ``--iters``, averaged over
-ranks as nccl-tests does. Columns as nccl-tests:
+Per size: each variant's ``--warmup`` untimed operations, then ``--repeats`` windows
+(default 1) of each variant, every window ``--iters`` operations back to back between
+device synchronizations, in place on a float32 buffer of zeros (the contents do not
+change a collective's speed, and zeros summed in place cannot overflow). The variants'
+windows are interleaved, their order reversed every other window: the host's speed on
+these machines moves by tens of percent from one second to the next, and a variant timed
+in one stretch would be timed in whatever state the machine was in then. With
+``--telemetry-root`` each variant instead runs its sweep alone (its telemetry's NVLink
+samples must be its own traffic). Time per operation is the median window's total over
+``--iters``, averaged over ranks as nccl-tests does. With ``--rounds R`` the sweep runs R
+times, the variants' order reversed every other round, and per size the median over rounds
+counts. Compare variants with ``--repeats`` >= 9 or ``--rounds`` >= 3. Columns as nccl-tests:
 algbw = size / time, busbw = algbw * 2(n-1)/n (printed with 2 decimals, and 3 significant
 digits below 1 GB/s; the JSON has every digit). Then ``#wrong``: one more operation on an
 input of small rank-dependent integers (exact sums in float32) is compared element by
 element with a plain ``dist.all_reduce`` of the same input (for ``nccl``: with the sum
 computed locally); mismatches summed over ranks. On GPUs with NVML, each rank also reads
-its NVLink DATA TX counter (summed over links) just before and after the timed window: the
+its NVLink DATA TX counter (summed over links) just before and after each timed window: the
 JSON's ``nvlink_tx_bytes_per_op`` (mean over ranks) and ``nvlink_tx_per_payload``, and a
 table of the latter (the counter counts KiB: read it for sizes well above that).
 
@@ -215,7 +219,8 @@ PLAIN_OPS: Dict[str, Callable[[], Any]] = {
 class CommschedAllReduce:
     """``count`` all-reduces of ``tensor`` as one commsched scheduler iteration: ``count``
     requests submitted back to back (the scheduler issues them in order on its stream, as
-    nccl-tests issues its operations), the iteration ended, every request waited for.
+    nccl-tests issues its operations), the iteration ended, and the caller ordered after
+    all of them at once (``Scheduler.join``).
     ``recorder`` is the variant's telemetry (None without it); with it, each call also
     waits for the device and marks a telemetry step.
 
@@ -242,8 +247,9 @@ class CommschedAllReduce:
         for k in range(count):
             requests.append(submit(tensor, key=k))
         self.scheduler.end_iteration()
-        for request in requests:
-            request.wait()
+        # (one wait for all of them, as the DDP hook at the end of backward: NCCL runs a
+        # group's collectives in issue order)
+        self.scheduler.join()
         self.ran = requests[-1].decompose
         requests.clear()
         if self.recorder is not None:
@@ -365,33 +371,55 @@ class Worker:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def measure(self, name: str, op: Callable[[torch.Tensor], None], nbytes: int
-                ) -> Dict[str, Any]:
-        """One row: time per operation (mean and max over ranks), bandwidths, #wrong."""
-        spec, world = self.spec, self.spec.world_size
+    def fence(self) -> None:
+        """Every rank's device idle, then every rank here."""
+        self.sync()
+        benchlib.barrier(self.spec.backend)
+        self.sync()
+
+    def measure(self, ops: Dict[str, Any], nbytes: int) -> Dict[str, Dict[str, Any]]:
+        """One row per variant in ``ops`` (name -> operation) at ``nbytes``: each warmed
+        up, then ``repeats`` timed windows of each, the variants' windows interleaved
+        (their order reversed every other window), so that they share whatever state the
+        machine is in while this size runs."""
+        spec = self.spec
         count = nbytes // ELEMENT_BYTES
         buffer = torch.zeros(count, dtype=DTYPE, device=self.device)
-        if spec.warmup:
-            op(buffer, spec.warmup)
-        self.sync()
-        benchlib.barrier(spec.backend)
-        self.sync()
-        first = op.iterations()
-        tx_before = self.links.read()
-        repeats = []
-        for _ in range(spec.repeats):
-            start = time.perf_counter()
-            op(buffer, spec.iters)
-            self.sync()
-            repeats.append((time.perf_counter() - start) / spec.iters)
-            benchlib.barrier(spec.backend)
-            self.sync()
-        # (the median window: one slow window, a hiccup of the machine, does not move it)
-        seconds = statistics.median(repeats)
-        tx_after = self.links.read()
-        last = op.iterations()
+        names = list(ops)
+        for op in ops.values():
+            if spec.warmup:
+                op(buffer, spec.warmup)
+        self.fence()
+        first = {name: op.iterations() for name, op in ops.items()}
+        windows: Dict[str, List[float]] = {name: [] for name in names}
+        sent: Dict[str, Optional[int]] = dict.fromkeys(names, 0)
+        for window in range(spec.repeats):
+            for name in names if window % 2 == 0 else reversed(names):
+                tx_before = self.links.read()
+                start = time.perf_counter()
+                ops[name](buffer, spec.iters)
+                self.sync()
+                windows[name].append((time.perf_counter() - start) / spec.iters)
+                tx_after = self.links.read()
+                if tx_before is None or tx_after is None or sent[name] is None:
+                    sent[name] = None
+                else:
+                    sent[name] += tx_after - tx_before
+                self.fence()
+        last = {name: op.iterations() for name, op in ops.items()}
         del buffer
+        return {name: self.row(name, ops[name], nbytes, windows[name], sent[name],
+                               first[name], last[name]) for name in names}
 
+    def row(self, name: str, op: Callable[[torch.Tensor], None], nbytes: int,
+            windows: List[float], sent: Optional[int], first: Optional[int],
+            last: Optional[int]) -> Dict[str, Any]:
+        """The row of variant ``name`` from its timed windows (seconds per operation) and
+        NVLink bytes sent in them (None: not counted); checks one more operation."""
+        spec, world = self.spec, self.spec.world_size
+        count = nbytes // ELEMENT_BYTES
+        # (the median window: one slow window, a hiccup of the machine, does not move it)
+        seconds = statistics.median(windows)
         data = check_input(self.rank, count, self.device)
         reference = data.clone()
         dist.all_reduce(reference)
@@ -404,11 +432,10 @@ class Worker:
                              device=self.device)
         dist.all_reduce(total)
         # NVLink bytes per operation, mean over ranks (-1: not measured on some rank).
-        sent = -1.0 if tx_before is None or tx_after is None else (
-            (tx_after - tx_before) / (spec.iters * spec.repeats))
-        links = torch.tensor([sent, sent], dtype=torch.float64, device=self.device)
+        per_op = -1.0 if sent is None else sent / (spec.iters * spec.repeats)
+        links = torch.tensor([per_op, per_op], dtype=torch.float64, device=self.device)
         dist.all_reduce(links)
-        measured = torch.tensor([float(sent < 0)], dtype=torch.float64, device=self.device)
+        measured = torch.tensor([float(per_op < 0)], dtype=torch.float64, device=self.device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         nvlink_tx = None if measured.item() else links[0].item() / world
         slowest = torch.tensor([seconds], dtype=torch.float64, device=self.device)
@@ -418,7 +445,7 @@ class Worker:
         return {
             "variant": name, "size": nbytes, "count": count, "type": "float",
             "redop": "sum", "time_us": seconds_mean * 1e6,
-            "time_us_windows_rank0": [t * 1e6 for t in repeats] if self.rank == 0 else None,
+            "time_us_windows_rank0": [t * 1e6 for t in windows] if self.rank == 0 else None,
             "time_us_max_rank": slowest[0].item() * 1e6,
             "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(world),
             "wrong": int(total[1].item()),
@@ -445,21 +472,30 @@ def bus_factor(world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size
 
 
-def run_variant(worker: Worker, name: str) -> Dict[str, Any]:
-    """Every message size through variant ``name``; telemetry (if any) is open only for
-    the duration of this call."""
-    config = variant_config(worker.spec, name)
-    op = (CommschedAllReduce(config, worker.device) if config is not None
-          else PLAIN_OPS[name]())
+def run_variants(worker: Worker, names: Tuple[str, ...]) -> Dict[str, Dict[str, Any]]:
+    """Every message size through the variants ``names``, their windows interleaved per
+    size (``Worker.measure``); telemetry (if any) is open only for the duration of this
+    call. Each result's ``wall_s`` is the whole call's."""
+    configs = {name: variant_config(worker.spec, name) for name in names}
+    ops: Dict[str, Any] = {}
     started = time.monotonic()
     try:
-        rows = [worker.measure(name, op, nbytes) for nbytes in worker.spec.sizes]
+        for name, config in configs.items():
+            ops[name] = (CommschedAllReduce(config, worker.device) if config is not None
+                         else PLAIN_OPS[name]())
+        rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
+        for nbytes in worker.spec.sizes:
+            for name, row in worker.measure(ops, nbytes).items():
+                rows[name].append(row)
     finally:
-        close_quietly(op)
-    return {"name": name, "label": VARIANTS[name], "status": "ok", "error": None,
-            "config": None if config is None else dataclasses.asdict(config),
-            "telemetry_dir": None if config is None else config.telemetry_dir,
-            "wall_s": round(time.monotonic() - started, 2), "rows": rows}
+        for op in ops.values():
+            close_quietly(op)
+    wall_s = round(time.monotonic() - started, 2)
+    return {name: {"name": name, "label": VARIANTS[name], "status": "ok", "error": None,
+                   "config": None if config is None else dataclasses.asdict(config),
+                   "telemetry_dir": None if config is None else config.telemetry_dir,
+                   "wall_s": wall_s, "rows": rows[name]}
+            for name, config in configs.items()}
 
 
 def merge_round(merged: Optional[Dict[str, Any]], result: Dict[str, Any]) -> Dict[str, Any]:
@@ -516,12 +552,16 @@ def worker_main(rank: int, spec: LaunchSpec) -> None:
         results: Dict[str, Dict[str, Any]] = {}
         for round_ in range(spec.rounds):
             order = spec.variants if round_ % 2 == 0 else spec.variants[::-1]
-            for name in order:
-                result = merge_round(results.get(name), run_variant(worker, name))
-                results[name] = result
+            # Interleaved, except where each commsched variant records telemetry: its
+            # NVLink samples between two of its steps must be its own traffic.
+            groups = [order] if spec.telemetry_root is None else [(name,) for name in order]
+            for group in groups:
+                for name, result in run_variants(worker, group).items():
+                    result = results[name] = merge_round(results.get(name), result)
+                    if rank == 0:
+                        doc["variants"][name] = result
+                        print(progress_line(spec, result), flush=True)
                 if rank == 0:
-                    doc["variants"][name] = result
-                    print(progress_line(spec, result), flush=True)
                     benchlib.write_json(Path(spec.result_path), doc)
     finally:
         worker.links.close()
