@@ -212,6 +212,18 @@ def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
     return result
 
 
+def run_line(result: Dict[str, object], skip: int) -> str:
+    """One run's outcome as a progress line: its mean time per iteration, or its error."""
+    if result["error"]:
+        return f"failed: {result['error']} (log {result['log']})"
+    try:
+        kept = steady_intervals(MegatronLog(result["iterations"], result["ms"],
+                                            result["loss"]), skip)
+    except ValueError as exc:
+        return f"{exc} (log {result['log']})"
+    return f"{statistics.fmean(kept):.1f} ms/iteration over {len(kept)} logged intervals"
+
+
 VARIANTS = ("stock", "patched", "launcher")
 
 
@@ -408,6 +420,19 @@ def extra_args(args: argparse.Namespace, run_name: str) -> str:
     return " ".join(extra + shlex.split(args.megatron_args))
 
 
+def write_document(args: argparse.Namespace, runs: List[Dict[str, object]]
+                   ) -> Dict[str, Dict[str, object]]:
+    """Write the runs so far, and their summary, to ``--out``; returns the summary."""
+    summary = summarize(runs, args.skip)
+    document = {"schema": "commsched.bench.megatron_e2e/1", "created_utc": benchlib.utc_now(),
+                "command": [sys.executable, *sys.argv], "settings": {
+                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                "system": benchlib.system_info(), "env": benchlib.relevant_env(),
+                "runs": runs, "summary": summary}
+    benchlib.write_json(args.out, document)
+    return summary
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     patch_script = _launch_script().patch_script
@@ -463,16 +488,13 @@ def main(argv=None) -> int:
                             env["BENCH_THREAD_CPU_DIR"] = str(samples)
                         print(f"[megatron] {regime} {setting} round {round_}: {variant}",
                               flush=True)
-                        run[variant] = run_once(script, args.megatron, env, log_path,
-                                                args.run_timeout, args.skip)
+                        result = run[variant] = run_once(script, args.megatron, env,
+                                                         log_path, args.run_timeout, args.skip)
+                        print(f"[megatron]   {run_line(result, args.skip)}", flush=True)
                     runs.append(run)
-    summary = summarize(runs, args.skip)
-    document = {"schema": "commsched.bench.megatron_e2e/1", "created_utc": benchlib.utc_now(),
-                "command": [sys.executable, *sys.argv], "settings": {
-                    k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "system": benchlib.system_info(), "env": benchlib.relevant_env(),
-                "runs": runs, "summary": summary}
-    benchlib.write_json(args.out, document)
+                    # (after every pair: a launch cut short keeps what it measured)
+                    write_document(args, runs)
+    summary = write_document(args, runs)
     print(f"[megatron] wrote {args.out}", flush=True)
     print("", flush=True)
     print(table(summary), flush=True)
