@@ -25,8 +25,10 @@ launcher / stock), the same ratio of the median logged interval of all rounds po
 every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
 pretrain_gpt.py arguments with ``--megatron-args``). commsched is put
-on the workers' path from this checkout (no install needed). Output: JSON (``--out``),
-every run's log under ``--log-dir``, a table last.
+on the workers' path from this checkout (no install needed). Output: a progress line per
+run (its mean time per iteration, or its error), JSON (``--out``, rewritten after every
+stock/patched pair, so that a launch cut short keeps what it measured), every run's log
+under ``--log-dir``, a table last.
 
 ``--thread-cpu``: every worker samples its threads' CPU time (``thread_cpu_site/``, put
 first on the workers' PYTHONPATH; every 0.2 s); each run then reports rank 0's CPU per
