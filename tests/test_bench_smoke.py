@@ -239,6 +239,13 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
     config = modes["sweep_p64K_c256K"]["commsched_config"]
     assert (config["partition_bytes"], config["credit_bytes"]) == (64 << 10, 256 << 10)
     assert modes["ddp_commsched"]["status"] == "n/a"
+    # The second round runs the modes in reverse order.
+    rounds = proc.stdout.split("round 2 of 2")
+    timed = [[line.split()[3].rstrip(":") for line in part.splitlines()
+              if line.startswith("[bench] nvlink gpt ") and "ms/iter" in line]
+             for part in rounds]
+    assert len(timed[0]) == 6, proc.stdout          # compute_only, 2 sweep, 3 dp-sweep
+    assert timed[1] == timed[0][::-1]
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "partition 64K, credit 256K" in table and "not selected" not in table
     # One telemetry run directory per sweep point and round, each readable by the report.

@@ -16,9 +16,10 @@ when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung
 
 Measurement options:
 
-* ``--rounds R`` runs the selected modes R times, interleaved (A B A B ...), and pools each
-  mode's samples: slow drift of the machine (clocks, host load) then falls on every mode
-  alike, which is what a comparison of two close modes (telemetry on and off) needs.
+* ``--rounds R`` runs the selected modes R times, interleaved, every other round in
+  reverse order (A B, B A, A B, ...), and pools each mode's samples: slow drift of the
+  machine (clocks, host load) then falls on every mode alike, which is what a comparison
+  of two close modes (telemetry on and off) needs.
 * ``--telemetry-root DIR`` keeps the telemetry of every mode that records it in
   ``DIR/<regime>_w<world size>_<mode>`` (``commsched report`` / ``commsched.sim.validate``
   read them); without it they go to temporary directories.
@@ -1255,7 +1256,10 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                 if rank == 0 and spec.rounds > 1:
                     print(f"[bench] {spec.regime} {model_name}: round {round_ + 1} of "
                           f"{spec.rounds}", flush=True)
-                for mode in table:
+                # Every other round in reverse (A B, B A, A B, ...): a drift within a
+                # round (clocks settling, a host getting busier) then falls on the first
+                # and the last modes alike.
+                for mode in table if round_ % 2 == 0 else table[::-1]:
                     if mode.run is None:
                         continue
                     if mode.name not in spec.modes:
