@@ -140,6 +140,8 @@ def test_the_launcher_only_variant_runs_under_the_launcher_with_nothing_patched(
     row = doc["summary"]["nvlink/no_overlap"]
     assert row["losses_equal"] and row["errors"] == []
     assert row["launcher_ratio"] == pytest.approx(1.0) and len(row["launcher_ms"]) == 2
+    assert row["ratio_rounds"] == [pytest.approx(1.0)] * 2
+    assert row["launcher_ratio_rounds"] == [pytest.approx(1.0)] * 2
     for run in doc["runs"]:
         log = open(run["launcher"]["log"]).read()
         assert "launcher=True" in log and "under_commsched=False" in log
@@ -159,6 +161,7 @@ def test_the_median_interval_ratio_is_not_moved_by_one_slow_iteration():
         [{"regime": "host", "setting": "no_overlap", "round": 1, "stock": stock,
           "patched": patched}], skip=1)["host/no_overlap"]
     assert summary["ratio"] == pytest.approx(210.0 / 650.0)   # means: the stall dominates
+    assert summary["ratio_rounds"] == [pytest.approx(210.0 / 650.0)]
     assert summary["ratio_interval_median"] == pytest.approx(1.05)
     assert "patched/stock (median interval)" in megatron_e2e.table({"k": summary})
 
@@ -259,3 +262,18 @@ def test_a_bad_sampling_period_is_an_error_naming_the_variable(tmp_path, monkeyp
         megatron_e2e.main(["--megatron", FAKE_CHECKOUT, "--thread-cpu",
                            "--out", str(tmp_path / "m.json")])
     assert "BENCH_THREAD_CPU_PERIOD_S" in capsys.readouterr().err
+
+
+def test_each_round_has_its_own_ratio():
+    def run(ms):
+        iterations = list(range(1, len(ms) + 1))
+        return {"error": None, "iterations": iterations, "ms": ms, "loss": [1.0] * len(ms)}
+    runs = [{"regime": "nvlink", "setting": "overlap_grad", "round": 1,
+             "stock": run([900.0, 200.0, 200.0]), "patched": run([900.0, 210.0, 210.0])},
+            {"regime": "nvlink", "setting": "overlap_grad", "round": 2,
+             "stock": run([900.0, 250.0, 250.0]), "patched": run([900.0, 225.0, 225.0])}]
+    row = megatron_e2e.summarize(runs, skip=1)["nvlink/overlap_grad"]
+    assert row["ratio_rounds"] == [pytest.approx(1.05), pytest.approx(0.9)]
+    # (medians over rounds: stock 225, patched 217.5)
+    assert row["ratio"] == pytest.approx(217.5 / 225.0)
+    assert "| 1.050, 0.900 |" in megatron_e2e.table({"k": row})

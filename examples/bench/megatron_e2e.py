@@ -20,7 +20,7 @@ which separates what the launcher costs from what the scheduler does.
 
 Reported per regime and setting: the median over rounds of each run's mean time per logged
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
-launcher / stock), the same ratio of the median logged interval of all rounds pooled
+launcher / stock), each round's own patched / stock (its two runs ran minutes apart), the same ratio of the median logged interval of all rounds pooled
 (``--log-interval 1``: of the median iteration), and whether the losses were identical at
 every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
@@ -232,7 +232,8 @@ VARIANTS = ("stock", "patched", "launcher")
 def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     """Per (regime, setting): each variant's ms (median over rounds of each run's mean,
     min-max), patched / stock (``ratio``) and launcher / stock (``launcher_ratio``, where
-    it ran); the same ratios of the median logged interval of all rounds pooled
+    it ran); each round's own ratio of means (``ratio_rounds``, ``launcher_ratio_rounds``:
+    whether the rounds agree); the same ratios of the median logged interval of all rounds pooled
     (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
     slow iteration of a host-bound run does not move); and whether every variant's losses
     matched stock's in every round."""
@@ -243,6 +244,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                                    "stock_ms": [], "patched_ms": [], "losses_equal": True,
                                    "errors": []})
         stock = run["stock"]
+        means: Dict[str, float] = {}          # this round's, per variant
         for name in VARIANTS:
             result = run.get(name)
             if result is None:
@@ -254,7 +256,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 try:
                     kept = steady_intervals(MegatronLog(
                         result["iterations"], result["ms"], result["loss"]), skip)
-                    values.append(statistics.fmean(kept))
+                    means[name] = statistics.fmean(kept)
+                    values.append(means[name])
                     row.setdefault(f"{name}_intervals_ms", []).extend(kept)
                 except ValueError as exc:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
@@ -262,6 +265,10 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row["losses_equal"] = False
             if result.get("cpu"):
                 row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
+        # Each round's own ratios: its runs ran minutes apart, closer than any two rounds.
+        for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
+            if "stock" in means and name in means:
+                row.setdefault(f"{ratio}_rounds", []).append(means[name] / means["stock"])
     for row in out.values():
         for name in VARIANTS:
             values = row.get(f"{name}_ms")
@@ -298,6 +305,10 @@ def table(summary: Dict[str, object]) -> str:
 
         def ratio(key):
             return f"{row[key]:.3f}" if row.get(key) else None
+
+        def per_round(key):
+            values = row.get(key)
+            return ", ".join(f"{value:.3f}" for value in values) if values else None
         def cpu_cell(name):
             value = row.get(f"{name}_cpu_median_ms")
             return None if value is None else f"{value:.1f}"
@@ -306,7 +317,8 @@ def table(summary: Dict[str, object]) -> str:
         if cpu:
             extra += [cpu_cell(name) for name in VARIANTS if launcher or name != "launcher"]
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
-                     ratio("ratio"), ratio("ratio_interval_median"), *extra,
+                     ratio("ratio"), per_round("ratio_rounds"),
+                     ratio("ratio_interval_median"), *extra,
                      "yes" if row["losses_equal"] else "NO",
                      "; ".join(row["errors"])[:120] or None])
     extra = (["launcher only ms/iter", "launcher/stock", "launcher/stock (median interval)"]
@@ -316,7 +328,8 @@ def table(summary: Dict[str, object]) -> str:
                   if launcher or name != "launcher"]
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
-         "patched/stock (median interval)", *extra, "losses equal", "note"], rows)
+         "patched/stock per round", "patched/stock (median interval)", *extra,
+         "losses equal", "note"], rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
