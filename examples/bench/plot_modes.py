@@ -2,8 +2,11 @@
 panel per regime and model: the figure of a dated report under ``benchmarks/``.
 
     python examples/bench/plot_modes.py results/*.json -o benchmarks/some_report.png
+    python examples/bench/plot_modes.py busbw.json -o benchmarks/busbw_report.png
 
-Modes that did not run (n/a, error) are left out.
+Modes that did not run (n/a, error) are left out. A busbw.py JSON (one file) is plotted
+instead as time per operation against message size, a line per variant, with the spread
+over its rounds.
 """
 
 from __future__ import annotations
@@ -61,11 +64,59 @@ def plot(data, output: Path) -> None:
     fig.savefig(output, dpi=110)
 
 
+def busbw_series(document) -> Dict[str, List[Tuple[int, float, float, float]]]:
+    """variant -> [(bytes, us per operation, lowest round, highest round)] of a busbw.py
+    document, variants that measured nothing left out."""
+    out: Dict[str, List[Tuple[int, float, float, float]]] = {}
+    for name, result in document.get("variants", {}).items():
+        points = []
+        for row in result.get("rows", []):
+            rounds = row.get("time_us_rounds") or [row["time_us"]]
+            points.append((row["size"], row["time_us"], min(rounds), max(rounds)))
+        if points:
+            out[name] = points
+    return out
+
+
+def plot_busbw(series, title: str, output: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, points in series.items():
+        sizes = [p[0] for p in points]
+        ax.plot(sizes, [p[1] for p in points], marker="o", markersize=3, label=name)
+        ax.fill_between(sizes, [p[2] for p in points], [p[3] for p in points], alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("message size (bytes)", fontsize=8)
+    ax.set_ylabel("us per operation (median; band: rounds' range)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("json", nargs="+", type=Path, help="harness.py --out files")
+    parser.add_argument("json", nargs="+", type=Path,
+                        help="harness.py --out files, or one busbw.py --out file")
     parser.add_argument("-o", "--output", type=Path, required=True, help="PNG to write")
     args = parser.parse_args(argv)
+    first = json.loads(args.json[0].read_text())
+    if str(first.get("schema", "")).startswith("commsched.bench.busbw/"):
+        if len(args.json) > 1:
+            parser.error("a busbw.py JSON is plotted alone: give one file")
+        series = busbw_series(first)
+        if not series:
+            print("plot_modes: no measured variant in the busbw file", file=sys.stderr)
+            return 1
+        settings = first.get("settings", {})
+        plot_busbw(series, f"all-reduce, {settings.get('world_size')} ranks, "
+                           f"{settings.get('regime')}", args.output)
+        print(f"plot_modes: wrote {args.output}")
+        return 0
     data = panels(args.json)
     if not data:
         print("plot_modes: no measured mode in the given files", file=sys.stderr)

@@ -1,0 +1,64 @@
+"""plot_modes.py: the figure of a report, from harness.py or busbw.py JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "bench" / "plot_modes.py"
+
+
+def _plot(tmp_path, documents):
+    paths = []
+    for i, document in enumerate(documents):
+        path = tmp_path / f"in{i}.json"
+        path.write_text(json.dumps(document))
+        paths.append(str(path))
+    out = tmp_path / "figure.png"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *paths, "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    return proc, out
+
+
+def _busbw(times):
+    return {"schema": "commsched.bench.busbw/1",
+            "settings": {"world_size": 2, "regime": "nvlink"},
+            "variants": {name: {"rows": [{"size": 2048 << i, "time_us": t,
+                                          "time_us_rounds": [t - 1, t, t + 2]}
+                                         for i, t in enumerate(values)]}
+                         for name, values in times.items()}}
+
+
+def test_a_busbw_file_is_plotted_per_size_and_variant(tmp_path):
+    proc, out = _plot(tmp_path, [_busbw({"nccl": [40.0, 41.0], "none": [50.0, 52.0]})])
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_busbw_points_keep_the_rounds_range():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import plot_modes
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    series = plot_modes.busbw_series(_busbw({"none": [50.0]}))
+    assert series == {"none": [(2048, 50.0, 49.0, 52.0)]}
+
+
+def test_a_busbw_file_is_plotted_alone_and_an_empty_one_is_an_error(tmp_path):
+    proc, _ = _plot(tmp_path, [_busbw({"nccl": [40.0]}), _busbw({"nccl": [40.0]})])
+    assert proc.returncode == 2 and "one file" in proc.stderr
+    proc, out = _plot(tmp_path, [_busbw({})])
+    assert proc.returncode == 1 and not out.exists()
+
+
+def test_a_harness_file_is_plotted_per_mode(tmp_path):
+    mode = {"status": "ok", "label": "4 DDP default", "median_ms": 100.0, "p10_ms": 99.0,
+            "p90_ms": 102.0}
+    document = {"launches": [{"runs": [{"regime": "nvlink", "model": "gpt",
+                                         "modes": {"ddp_default": mode,
+                                                   "compute_only": {"status": "n/a"}}}]}]}
+    proc, out = _plot(tmp_path, [document])
+    assert proc.returncode == 0, proc.stderr
+    assert out.stat().st_size > 1000
