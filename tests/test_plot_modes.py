@@ -1,5 +1,6 @@
-"""plot_modes.py: the figure of a report, from harness.py or busbw.py JSON."""
+"""plot_modes.py: the figure of a report, from harness.py, busbw.py or megatron_e2e.py JSON."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -7,6 +8,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "bench" / "plot_modes.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("plot_modes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _plot(tmp_path, documents):
@@ -37,12 +45,7 @@ def test_a_busbw_file_is_plotted_per_size_and_variant(tmp_path):
 
 
 def test_busbw_points_keep_the_rounds_range():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import plot_modes
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    series = plot_modes.busbw_series(_busbw({"none": [50.0]}))
+    series = _module().busbw_series(_busbw({"none": [50.0]}))
     assert series == {"none": [(2048, 50.0, 49.0, 52.0)]}
 
 
@@ -62,3 +65,20 @@ def test_a_harness_file_is_plotted_per_mode(tmp_path):
     proc, out = _plot(tmp_path, [document])
     assert proc.returncode == 0, proc.stderr
     assert out.stat().st_size > 1000
+
+
+def test_a_megatron_file_gives_a_panel_per_setting_with_the_rounds_range(tmp_path):
+    summary = {"nvlink/no_overlap": {"regime": "nvlink", "setting": "no_overlap",
+                                     "stock_ms": [231.2, 216.8], "stock_median_ms": 224.0,
+                                     "patched_ms": [233.0, 222.8],
+                                     "patched_median_ms": 227.9}}
+    with_launcher = {"k": dict(summary["nvlink/no_overlap"], setting="overlap_grad",
+                               launcher_ms=[220.0], launcher_median_ms=220.0)}
+    path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
+    path_a.write_text(json.dumps({"summary": summary}))
+    path_b.write_text(json.dumps({"summary": with_launcher}))
+    data = _module().panels([path_a, path_b])
+    assert data[("nvlink", "Megatron-LM no_overlap")] == [
+        ("stock", 224.0, 216.8, 231.2), ("patched", 227.9, 222.8, 233.0)]
+    assert [r[0] for r in data[("nvlink", "Megatron-LM overlap_grad")]] == [
+        "stock", "patched", "launcher"]

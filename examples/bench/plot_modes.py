@@ -6,7 +6,8 @@ panel per regime and model: the figure of a dated report under ``benchmarks/``.
 
 Modes that did not run (n/a, error) are left out. A busbw.py JSON (one file) is plotted
 instead as time per operation against message size, a line per variant, with the spread
-over its rounds.
+over its rounds. megatron_e2e.py JSON files give a panel per regime and setting: stock,
+patched (and launcher only), the median over rounds with the rounds' range.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, fl
     out: Dict[Tuple[str, str], List[Tuple[str, float, float, float]]] = {}
     for path in paths:
         document = json.loads(path.read_text())
+        for row in (document.get("summary") or {}).values():        # megatron_e2e.py
+            rows = out.setdefault((row["regime"], f"Megatron-LM {row['setting']}"), [])
+            for name in ("stock", "patched", "launcher"):
+                values = row.get(f"{name}_ms")
+                if values:
+                    rows.append((name, row[f"{name}_median_ms"], min(values), max(values)))
         for launch in document.get("launches", []):
             for run in launch.get("runs", []):
                 rows = out.setdefault((run["regime"], run["model"]), [])
@@ -57,7 +64,8 @@ def plot(data, output: Path) -> None:
         ax.invert_yaxis()
         ax.set_xlim(0, max(m + h for m, h in zip(medians, high)) * 1.08)
         ax.set_title(f"{key[1]}, {key[0]}", fontsize=9)
-        ax.set_xlabel("ms/iteration (median, p10-p90)", fontsize=8)
+        ax.set_xlabel("ms/iteration (median, p10-p90)" if not key[1].startswith(
+            "Megatron-LM") else "ms/iteration (median of rounds, rounds' range)", fontsize=8)
         for i, m in enumerate(medians):
             ax.text(m, i, f" {m:.1f}", va="center", fontsize=7)
     fig.tight_layout()
