@@ -82,7 +82,7 @@ class _Completion:
     ``credit_bytes``)."""
 
     __slots__ = ("lane", "lock", "polled", "done_stream", "in_flight", "head_seq",
-                 "must_complete", "newest", "events", "clock", "group_end_ns",
+                 "must_complete", "newest", "joined", "events", "clock", "group_end_ns",
                  "waiting_item", "waiting_since", "wake", "batches", "thread_batches",
                  "thread")
 
@@ -105,6 +105,10 @@ class _Completion:
         # CUDA: the newest step issued on each process group (None: the lane's own), and
         # the newest padded chunk's copy back ("copy"): what join() and seal() wait for.
         self.newest: Dict[object, object] = {}
+        # The newest step of the lane's own group that the caller's stream waited for
+        # before a synchronous collective (lane._issue_synchronous); held no longer than
+        # ``newest``.
+        self.joined = None
         self.events: "collections.deque" = collections.deque()
         # Maps events onto the host clock (device_times): made where first needed; its
         # anchor renewed by the watchdog where the caller completes, else by the completion
@@ -292,6 +296,7 @@ class _Completion:
         times = self.device_times(batch, t_seen)
         if not self.in_flight:
             self.newest.clear()           # (a work may hold buffers, see lane._complete)
+            self.joined = None
         return batch, times
 
     def _take_finished(self, waited: Optional[_InFlight]) -> List[_InFlight]:

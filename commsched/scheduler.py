@@ -39,7 +39,11 @@ event, no CUDA future (the request's future is a CPU future set at issue on CUDA
 request of one collective follows that collective's own future). A request the order or the
 credit window holds back records a ready event in the submitter's stream and is issued
 later, from the launch stream after that event, by the next submission, the end of the
-iteration, or the completion thread when credit comes back.
+iteration, or the completion thread when credit comes back. A request submitted with
+``async_op=False`` (its caller waits at once) and issued on that path in a lane that
+completes batches goes as a synchronous collective: on NCCL in the caller's stream, after
+the lane's newest asynchronous collective, with nothing left for the lane to complete
+(``_Lane._issue_synchronous``).
 
 Invariant 2 (completion means device completion): credit is returned, and gloo futures
 are resolved, by a completion thread per lane (completion.py) that blocks (GIL released) in
@@ -143,7 +147,7 @@ class Request:
         "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration",
         "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
-        "cross_group", "issue_seq", "waited", "at_once",
+        "cross_group", "issue_seq", "waited", "at_once", "synchronous",
     )
 
     def __init__(self, key: Hashable, tensor: torch.Tensor, op: str, lane: "_Lane",
@@ -180,6 +184,9 @@ class Request:
         self.issue_seq = None
         self.waited = False           # CPU: somebody waits for the future (see _urgent)
         self.at_once = False          # CUDA: every step issued from the submitter's stream
+        # submit(async_op=False): issued at once, the collective runs on the caller's
+        # stream (see _Lane._issue_direct)
+        self.synchronous = False
 
     @property
     def future(self) -> torch.futures.Future:
@@ -567,6 +574,7 @@ class _Lane:
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.sum_options = all_reduce_options(_SUM)
         self.avg_options = all_reduce_options(_AVG)
+        self.sync_options: Dict[object, "dist.AllreduceOptions"] = {}     # asyncOp = False
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
         self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
@@ -1017,12 +1025,40 @@ class _Lane:
         self.requests_issued += 1
         # (issue_step, spelled out for a whole all-reduce; resolved at once, as
         # _take_dispatched would)
-        work = req.done_work = completion.newest[None] = (
-            req.group.allreduce([req.tensor], req.reduce_options) if req.op == "all_reduce"
-            else issue_step(chunk, 0))
+        if req.op != "all_reduce":
+            work = issue_step(chunk, 0)
+        elif req.synchronous:
+            work = self._issue_synchronous(req)
+        else:
+            work = req.group.allreduce([req.tensor], req.reduce_options)
         req.outcome = True
+        if work is None:
+            # Synchronous on NCCL: the collective is in the caller's stream, which orders
+            # whatever the caller does next after it; the lane has nothing to complete.
+            self.in_flight_bytes -= chunk.nbytes
+            chunk.request = None
+            return
+        req.done_work = completion.newest[None] = work
         completion.batch(chunk, 0, True, work)
         completion.bound()
+
+    def _issue_synchronous(self, req: Request):
+        """A whole all-reduce with ``asyncOp = False``: on NCCL it runs on the caller's
+        current stream and no work comes back (None), as for a synchronous
+        ``dist.all_reduce``; a backend that ignores the flag returns a work, completed as
+        any other. The caller's stream first waits for the lane's newest asynchronous
+        collective, once: the two streams' collectives then run in issue order, as every
+        rank issues them."""
+        completion = self.completion
+        newest = completion.newest.get(None)
+        if newest is not None and newest is not completion.joined:
+            newest.wait()
+            completion.joined = newest
+        options = self.sync_options.get(req.reduce_op)
+        if options is None:
+            options = self.sync_options[req.reduce_op] = all_reduce_options(req.reduce_op)
+            options.asyncOp = False
+        return req.group.allreduce([req.tensor], options)
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
         """Issue one step on CUDA; returns (start event, end event, work).
@@ -1389,7 +1425,7 @@ class Scheduler:
                op: str = "all_reduce", group=None, average: bool = False,
                scale: Optional[float] = None, reduce_op=dist.ReduceOp.SUM,
                decompose: Optional[str] = None,
-               partition_bytes: Optional[int] = None) -> Request:
+               partition_bytes: Optional[int] = None, async_op: bool = True) -> Request:
         """Schedule a collective on the flat tensor ``tensor``, in place.
 
         ``key`` names the request within an iteration (stable across iterations, the same
@@ -1402,9 +1438,20 @@ class Scheduler:
         ``scale`` multiplies before it. ``decompose``
         overrides ``config.decompose`` for an all-reduce; ``partition_bytes`` overrides
         the lane's partition size for this request (0: one chunk).
+
+        ``async_op=False``: the caller orders itself after the request right away (it has
+        nothing to overlap with it), as after a synchronous ``dist.all_reduce``. Where the
+        order issues a whole all-reduce from this call on a CUDA lane with nothing to time
+        and no credit window, it then goes as a synchronous collective: on NCCL it runs on
+        the caller's current stream, with no stream switch and nothing for the lane to
+        complete (the process group's own watchdog still times it); ``wait()`` returns at
+        once, ``finished()`` is true once it was issued, ``drain()`` does not wait for it.
+        Elsewhere, or where the order holds it back, it goes as any other request.
         """
         if self._closed:
             raise SchedulerError("submit() on a closed Scheduler")
+        if async_op is not True and async_op is not False:
+            raise ValueError(f"async_op={async_op!r}: expected True or False")
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         if (lane is not None and lane.whole and op == "all_reduce" and decompose is None
                 and partition_bytes is None and scale is None and reduce_op is _SUM
@@ -1420,6 +1467,8 @@ class Scheduler:
                     tensor.div_(lane.world_size)
             req = Request(key, tensor, "all_reduce", lane, priority, reduce_op, "none",
                           _ALL_REDUCE, False)
+            if not async_op:
+                req.synchronous = True
             numel = tensor.numel()
             req.chunks = [Chunk(req, 0, 0, numel, numel * tensor.element_size())]
             req.remaining = 1
@@ -1465,6 +1514,7 @@ class Scheduler:
         req = Request(key, tensor, op, lane, priority, reduce_op, decompose,
                       steps_for(op, decompose, topology),
                       topology is not None and decompose != "none")
+        req.synchronous = not async_op
         if average:
             tensor.div_(lane.world_size)
         if scale is not None:

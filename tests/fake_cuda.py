@@ -72,7 +72,10 @@ def install() -> None:
     def synchronous_allreduce(self, *args, **kwargs):
         work = allreduce(self, *args, **kwargs)
         work.wait()
-        return work
+        options = args[1] if len(args) > 1 else kwargs.get("opts")
+        # NCCL returns no work for a synchronous collective (asyncOp = False): it ran in
+        # the caller's stream.
+        return None if options is not None and not options.asyncOp else work
 
     group_type.allreduce = synchronous_allreduce
     issue_step = scheduler.issue_step

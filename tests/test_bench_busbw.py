@@ -25,7 +25,7 @@ import busbw  # noqa: E402
 
 SIZES = [128, 512, 2048, 8192]           # --min-bytes 128 --max-bytes 8K --factor 4
 PLAIN = ["nccl", "nccl_async", "pg", "pg_sync"]
-SCHEDULED = ["none", "rs_ag", "hier", "leader", "auto"]   # the commsched variants
+SCHEDULED = ["none", "none_sync", "rs_ag", "hier", "leader", "auto"]   # commsched's
 VARIANTS = PLAIN + SCHEDULED
 WARMUP, ITERS = 1, 2
 ROW_KEYS = ("variant", "size", "count", "type", "redop", "time_us", "algbw_gbps",
@@ -82,7 +82,8 @@ def test_json_describes_the_run(run):
         assert document["variants"][name]["config"] is None
     for name in SCHEDULED:
         config = document["variants"][name]["config"]
-        assert config["decompose"] == name and config["partition_bytes"] == 0
+        assert config["decompose"] == busbw.SYNC_OF.get(name, name)
+        assert config["partition_bytes"] == 0
         assert config["credit_bytes"] == 0 and config["local_size"] == local
 
 
@@ -105,7 +106,7 @@ def test_every_variant_and_size_has_a_right_result(run):
             # One node: nothing to choose; several: one of the measured candidates.
             assert row["ran"] in (("none",) if world == local else ("none", "hier", "leader"))
         else:
-            assert row["ran"] == variant
+            assert row["ran"] == busbw.SYNC_OF.get(variant, variant)
 
 
 def test_telemetry_has_one_lane_iteration_per_call(run):

@@ -156,6 +156,49 @@ def _cuda_paths(rank, world):
     sched.close()
 
 
+def _synchronous_requests(rank, world):
+    """submit(async_op=False) on a lane that issues whole requests at once: a request
+    issued from submit() goes as a synchronous collective (no work: it is in the caller's
+    stream) and leaves nothing for the lane to complete; the first of an iteration, taken
+    in by the general path, and requests that ask for nothing go as before. Values equal
+    the plain sums in every mixture."""
+    import fake_cuda
+    fake_cuda.install()
+    import commsched
+    from commsched import Config
+
+    sched = commsched.Scheduler(Config(policy="fifo"))
+    for it in range(4):
+        ts = [torch.arange(n, dtype=torch.float32) * (rank + 1) + it for n in SIZES]
+        expected = [torch.arange(n, dtype=torch.float32) * 3 + 2 * it for n in SIZES]
+        asynchronous = [it % 2 == 1 and i % 2 == 0 for i in range(len(SIZES))]
+        reqs = [sched.submit(t, key=i, async_op=a)
+                for i, (t, a) in enumerate(zip(ts, asynchronous))]
+        lane = sched._lanes[dist.group.WORLD]
+        assert lane.batched
+        for i, req in enumerate(reqs):
+            at_once = i > 0                     # (the first begins the iteration)
+            assert (req.done_work is None) == (at_once and not asynchronous[i]), (it, i)
+            assert req.synchronous == (not asynchronous[i])
+        sched.end_iteration()
+        for r, e in zip(reqs, expected):
+            assert torch.equal(r.wait(), e), (it, r.key)
+    sched.drain(timeout=30)
+    assert lane.in_flight_bytes == 0 and not lane.completion.in_flight
+    assert lane.completion.joined is None and not lane.completion.newest
+    try:
+        sched.submit(torch.ones(4), key="bad", async_op=0)
+    except ValueError as exc:
+        assert "async_op=0" in str(exc)
+    else:
+        raise AssertionError("async_op=0 was accepted")
+    sched.close()
+
+
+def test_synchronous_requests_go_in_the_callers_stream_and_equal_plain_sums():
+    run_workers(_synchronous_requests, 2, timeout=120)
+
+
 def test_cuda_paths_equal_plain_collectives():
     run_workers(_cuda_paths, 2, timeout=120)
 

@@ -26,6 +26,10 @@ always), and runs each variant over every message size from ``--min-bytes`` to
   pg_sync  the same with ``AllreduceOptions.asyncOp = False``: synchronous, on NCCL run on
            the caller's stream with no work returned (the cheapest issue there is)
   none     commsched ``Scheduler``, one all_reduce per message
+  none_sync  the same, each submitted with ``async_op=False`` (the caller waits at once):
+           issued from ``submit``, on NCCL it runs on the caller's stream, as ``nccl``
+           does; the first of each window, which begins the lane's iteration, goes
+           asynchronously
   rs_ag    commsched: reduce_scatter + all_gather
   hier     commsched: intra-node reduce_scatter, inter-node all_reduce, intra-node all_gather
   leader   commsched: reduce to the node leader, all_reduce among leaders, broadcast
@@ -113,6 +117,7 @@ VARIANTS: Dict[str, str] = {
     "pg": "the process group's allreduce method, waited after the window",
     "pg_sync": "the process group's allreduce method, asyncOp=False",
     "none": "commsched Scheduler, all_reduce",
+    "none_sync": "commsched Scheduler, all_reduce with async_op=False",
     "rs_ag": "commsched, reduce_scatter + all_gather",
     "hier": "commsched, reduce_scatter:intra + all_reduce:inter + all_gather:intra",
     "leader": "commsched, reduce:intra + all_reduce:leaders + broadcast:intra",
@@ -121,6 +126,7 @@ VARIANTS: Dict[str, str] = {
 DEFAULT_VARIANTS = "nccl,none,rs_ag,hier,leader,auto"
 REFERENCE = "nccl"
 PLAIN = ("nccl", "nccl_async", "pg", "pg_sync")        # the variants without commsched
+SYNC_OF = {"none_sync": "none"}             # async_op=False variants: their decomposition
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,7 +228,8 @@ class CommschedAllReduce:
     nccl-tests issues its operations), the iteration ended, and the caller ordered after
     all of them at once (``Scheduler.join``).
     ``recorder`` is the variant's telemetry (None without it); with it, each call also
-    waits for the device and marks a telemetry step.
+    waits for the device and marks a telemetry step. ``async_op``: passed to every
+    ``submit``.
 
     Example::
         op = CommschedAllReduce(Config(enabled=True, decompose="rs_ag", partition_bytes=0),
@@ -230,9 +237,9 @@ class CommschedAllReduce:
         op(tensor, 20); op.close()
     """
 
-    __slots__ = ("scheduler", "recorder", "requests", "ran")
+    __slots__ = ("scheduler", "recorder", "requests", "ran", "async_op")
 
-    def __init__(self, config, device: torch.device):
+    def __init__(self, config, device: torch.device, async_op: bool = True):
         commsched = benchlib.import_commsched()
         from commsched.telemetry import open_rank_recorder
 
@@ -240,12 +247,13 @@ class CommschedAllReduce:
         self.scheduler = commsched.Scheduler(config, self.recorder)
         self.requests: List[Any] = []
         self.ran: Optional[str] = None      # the decomposition the last call ran
+        self.async_op = async_op
 
     def __call__(self, tensor: torch.Tensor, count: int = 1) -> None:
         requests = self.requests
-        submit = self.scheduler.submit
+        submit, async_op = self.scheduler.submit, self.async_op
         for k in range(count):
-            requests.append(submit(tensor, key=k))
+            requests.append(submit(tensor, key=k, async_op=async_op))
         self.scheduler.end_iteration()
         # (one wait for all of them, as the DDP hook at the end of backward: NCCL runs a
         # group's collectives in issue order)
@@ -274,7 +282,8 @@ def variant_config(spec: "LaunchSpec", name: str):
     """The commsched Config of variant ``name`` (None for a plain variant)."""
     if name in PLAIN:
         return None
-    changes = dict(enabled=True, decompose=name, partition_bytes=0, credit_bytes=0,
+    changes = dict(enabled=True, decompose=SYNC_OF.get(name, name), partition_bytes=0,
+                   credit_bytes=0,
                    policy="fifo", autotune=False, telemetry_dir=telemetry_dir(spec, name))
     if spec.local_size is not None:
         changes["local_size"] = spec.local_size
@@ -481,7 +490,8 @@ def run_variants(worker: Worker, names: Tuple[str, ...]) -> Dict[str, Dict[str, 
     started = time.monotonic()
     try:
         for name, config in configs.items():
-            ops[name] = (CommschedAllReduce(config, worker.device) if config is not None
+            ops[name] = (CommschedAllReduce(config, worker.device, name not in SYNC_OF)
+                         if config is not None
                          else PLAIN_OPS[name]())
         rows: Dict[str, List[Dict[str, Any]]] = {name: [] for name in names}
         for nbytes in worker.spec.sizes:

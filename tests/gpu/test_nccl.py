@@ -89,6 +89,38 @@ def _scheduler_vs_plain(rank, world, port):
     dist.destroy_process_group()
 
 
+def _synchronous_requests(rank, world, port):
+    """submit(async_op=False): a whole all-reduce issued from submit() runs on the caller's
+    stream (NCCL returns no work), after what the caller queued there (a delayed producer)
+    and after the lane's asynchronous collectives before it (the first request of an
+    iteration, and requests that ask for nothing); values equal plain NCCL's."""
+    _init(rank, world, port)
+    sched = commsched.Scheduler(commsched.Config(policy="fifo"))
+    for it in range(4):
+        sizes = [4097, 1 << 20, 300_001, 8 << 20, 1]
+        gen = torch.Generator(device="cuda").manual_seed(10 * it + rank)
+        ts = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
+        refs = [t.clone() for t in ts]
+        for r in refs:
+            dist.all_reduce(r)
+        asynchronous = [it % 2 == 1 and i % 2 == 0 for i in range(len(sizes))]
+        torch.cuda._sleep(50_000_000)         # the producer is late: ~25 ms
+        for t in ts:
+            t.mul_(1.0)
+        reqs = [sched.submit(t, key=i, async_op=a)
+                for i, (t, a) in enumerate(zip(ts, asynchronous))]
+        sched.end_iteration()
+        for i, req in enumerate(reqs):
+            assert (req.done_work is None) == (i > 0 and not asynchronous[i]), (it, i)
+        for r, ref in zip(reqs, refs):
+            out = r.wait()
+            torch.cuda.current_stream().synchronize()
+            assert torch.equal(out, ref), (it, r.key, (out - ref).abs().max().item())
+    sched.drain(timeout=60)
+    sched.close()
+    dist.destroy_process_group()
+
+
 def _credit_returns_on_device_completion(rank, world, port):
     """A future must not resolve while its collective still runs on the device: queue a
     long kernel before the collective, and check the result is complete when wait()
@@ -409,6 +441,10 @@ def _spawn(fn, timeout=300):
 
 def test_scheduler_equals_plain_nccl_all_reduce():
     _spawn(_scheduler_vs_plain)
+
+
+def test_synchronous_requests_equal_plain_nccl_all_reduce():
+    _spawn(_synchronous_requests)
 
 
 def test_future_resolves_after_device_completion():
