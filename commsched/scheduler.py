@@ -232,7 +232,9 @@ class Request:
         return self.done_work
 
     def finished(self) -> bool:
-        """Whether every chunk finished on the device, not only was issued; never blocks."""
+        """Whether every chunk finished on the device, not only was issued; never blocks.
+        (A request issued as a synchronous collective, see ``submit(async_op=False)``: once
+        issued; the caller's stream orders it.)"""
         if self.outcome is not True:
             return False
         if self.done_event is not None:
