@@ -20,8 +20,9 @@ which separates what the launcher costs from what the scheduler does.
 
 Reported per regime and setting: the median over rounds of each run's mean time per logged
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
-launcher / stock), each round's own patched / stock (its two runs ran minutes apart), the same ratio of the median logged interval of all rounds pooled
-(``--log-interval 1``: of the median iteration), and whether the losses were identical at
+launcher / stock), each round's own patched / stock (its two runs ran minutes apart), the
+same ratio of the median logged interval of all rounds pooled (``--log-interval 1``: of
+the median iteration), and whether the losses were identical at
 every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
 pretrain_gpt.py arguments with ``--megatron-args``). commsched is put
@@ -214,13 +215,19 @@ def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
     return result
 
 
+def run_intervals(result: Dict[str, object], skip: int) -> List[float]:
+    """The logged intervals (ms per iteration) of a run that did not fail, after ``skip``
+    iterations (``steady_intervals``); ValueError where none is left."""
+    return steady_intervals(MegatronLog(result["iterations"], result["ms"], result["loss"]),
+                            skip)
+
+
 def run_line(result: Dict[str, object], skip: int) -> str:
     """One run's outcome as a progress line: its mean time per iteration, or its error."""
     if result["error"]:
         return f"failed: {result['error']} (log {result['log']})"
     try:
-        kept = steady_intervals(MegatronLog(result["iterations"], result["ms"],
-                                            result["loss"]), skip)
+        kept = run_intervals(result, skip)
     except ValueError as exc:
         return f"{exc} (log {result['log']})"
     return f"{statistics.fmean(kept):.1f} ms/iteration over {len(kept)} logged intervals"
@@ -233,8 +240,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     """Per (regime, setting): each variant's ms (median over rounds of each run's mean,
     min-max), patched / stock (``ratio``) and launcher / stock (``launcher_ratio``, where
     it ran); each round's own ratio of means (``ratio_rounds``, ``launcher_ratio_rounds``:
-    whether the rounds agree); the same ratios of the median logged interval of all rounds pooled
-    (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
+    whether the rounds agree); the same ratios of the median logged interval of all rounds
+    pooled (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
     slow iteration of a host-bound run does not move); and whether every variant's losses
     matched stock's in every round."""
     out: Dict[str, object] = {}
@@ -254,8 +261,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row["errors"].append(f"{name} round {run['round']}: {result['error']}")
             else:
                 try:
-                    kept = steady_intervals(MegatronLog(
-                        result["iterations"], result["ms"], result["loss"]), skip)
+                    kept = run_intervals(result, skip)
                     means[name] = statistics.fmean(kept)
                     values.append(means[name])
                     row.setdefault(f"{name}_intervals_ms", []).extend(kept)
@@ -309,6 +315,7 @@ def table(summary: Dict[str, object]) -> str:
         def per_round(key):
             values = row.get(key)
             return ", ".join(f"{value:.3f}" for value in values) if values else None
+
         def cpu_cell(name):
             value = row.get(f"{name}_cpu_median_ms")
             return None if value is None else f"{value:.1f}"
@@ -435,14 +442,16 @@ def extra_args(args: argparse.Namespace, run_name: str) -> str:
     return " ".join(extra + shlex.split(args.megatron_args))
 
 
-def write_document(args: argparse.Namespace, runs: List[Dict[str, object]]
-                   ) -> Dict[str, Dict[str, object]]:
-    """Write the runs so far, and their summary, to ``--out``; returns the summary."""
+def write_document(args: argparse.Namespace, runs: List[Dict[str, object]],
+                   system: Dict[str, object]) -> Dict[str, Dict[str, object]]:
+    """Write the runs so far, and their summary, to ``--out``; returns the summary.
+    ``system``: ``benchlib.system_info()``, read once the runs ended (it queries the GPUs
+    from this process), empty before."""
     summary = summarize(runs, args.skip)
     document = {"schema": "commsched.bench.megatron_e2e/1", "created_utc": benchlib.utc_now(),
                 "command": [sys.executable, *sys.argv], "settings": {
                     k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "system": benchlib.system_info(), "env": benchlib.relevant_env(),
+                "system": system, "env": benchlib.relevant_env(),
                 "runs": runs, "summary": summary}
     benchlib.write_json(args.out, document)
     return summary
@@ -508,8 +517,8 @@ def main(argv=None) -> int:
                         print(f"[megatron]   {run_line(result, args.skip)}", flush=True)
                     runs.append(run)
                     # (after every pair: a launch cut short keeps what it measured)
-                    write_document(args, runs)
-    summary = write_document(args, runs)
+                    write_document(args, runs, {})
+    summary = write_document(args, runs, benchlib.system_info())
     print(f"[megatron] wrote {args.out}", flush=True)
     print("", flush=True)
     print(table(summary), flush=True)
