@@ -74,10 +74,13 @@ def parts_for(op: str, decompose: str, world_size: int, topology=None) -> int:
     return 1
 
 
-def all_reduce_options(reduce_op) -> "dist.AllreduceOptions":
-    """Options for ``ProcessGroup.allreduce``, built once per request rather than per chunk."""
+def all_reduce_options(reduce_op, async_op: bool = True) -> "dist.AllreduceOptions":
+    """Options for ``ProcessGroup.allreduce``, built once per lane and reduction rather than
+    per chunk; ``async_op=False``: a synchronous collective (on NCCL: in the caller's
+    stream, no work returned)."""
     options = dist.AllreduceOptions()
     options.reduceOp = reduce_op
+    options.asyncOp = async_op
     return options
 
 

@@ -1058,8 +1058,8 @@ class _Lane:
             completion.joined = newest
         options = self.sync_options.get(req.reduce_op)
         if options is None:
-            options = self.sync_options[req.reduce_op] = all_reduce_options(req.reduce_op)
-            options.asyncOp = False
+            options = self.sync_options[req.reduce_op] = all_reduce_options(req.reduce_op,
+                                                                            async_op=False)
         return req.group.allreduce([req.tensor], options)
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
