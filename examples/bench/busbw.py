@@ -283,8 +283,8 @@ def variant_config(spec: "LaunchSpec", name: str):
     if name in PLAIN:
         return None
     changes = dict(enabled=True, decompose=SYNC_OF.get(name, name), partition_bytes=0,
-                   credit_bytes=0,
-                   policy="fifo", autotune=False, telemetry_dir=telemetry_dir(spec, name))
+                   credit_bytes=0, policy="fifo", autotune=False,
+                   telemetry_dir=telemetry_dir(spec, name))
     if spec.local_size is not None:
         changes["local_size"] = spec.local_size
     return spec.base_config.replace(**changes)
