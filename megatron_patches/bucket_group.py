@@ -317,8 +317,10 @@ class Runtime:
 
     # ---- submission ----------------------------------------------------------------------
     def submit(self, member: _Member, phase: str, op: str, tensors: List[torch.Tensor], *,
-               average: bool = False) -> BucketGroupHandle:
-        """Submit one request per bucket tensor; returns the handle for megatron."""
+               average: bool = False, async_op: bool = True) -> BucketGroupHandle:
+        """Submit one request per bucket tensor; returns the handle for megatron.
+        ``async_op=False``: the caller waits for the handle at once (megatron's own call
+        is synchronous there); see ``Scheduler.submit``."""
         state = member.state
         scheduler = self._scheduler(tensors[0].device)
         if member.index in state.submitted[phase]:
@@ -331,7 +333,7 @@ class Runtime:
             key = state.key(member, bucket, len(tensors), phase)
             requests.append(scheduler.submit(
                 tensor, key=key, priority=priority, op=op, group=state.group,
-                scale=scale, reduce_op=reduce_op))
+                scale=scale, reduce_op=reduce_op, async_op=async_op))
         state.max_priority = max(state.max_priority, priority)
         state.outstanding = state.pending() + requests
         state.submitted[phase].add(member.index)
@@ -398,7 +400,8 @@ def make_replacements(runtime: Runtime) -> Dict[str, Callable]:
     def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
         """Reduce the bucket group's gradients through the commsched scheduler: all-reduce,
         or reduce-scatter into this rank's shard with the distributed optimizer. Async
-        (handle in ``grad_reduce_handle``) with overlap_grad_reduce, else waited for."""
+        (handle in ``grad_reduce_handle``) with overlap_grad_reduce, else submitted with
+        ``async_op=False`` (as megatron's own call) and waited for."""
         member = runtime.member(self, GRAD_SYNC)
         if member is None:
             return runtime.call_original("start_grad_sync", self,
@@ -427,7 +430,8 @@ def make_replacements(runtime: Runtime) -> Dict[str, Callable]:
         handle = runtime.submit(
             member, GRAD_SYNC,
             "reduce_scatter" if cfg.use_distributed_optimizer else "all_reduce",
-            [bucket.grad_data for bucket in self.buckets], average=cfg.average_in_collective)
+            [bucket.grad_data for bucket in self.buckets], average=cfg.average_in_collective,
+            async_op=cfg.overlap_grad_reduce)
         if cfg.overlap_grad_reduce:
             self.grad_reduce_handle = handle
         else:

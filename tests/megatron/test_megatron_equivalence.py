@@ -149,23 +149,27 @@ def _train(spec, rank, patched):
                                     disable_bucketing=disable_bucketing)
     if patched and early:
         mp.apply(config)
+    submitted = set()         # (op, async_op) of every scheduler request
+    if patched:
+        from commsched.scheduler import Scheduler
+        original_submit = Scheduler.submit
+
+        def submit(self, tensor, **kwargs):
+            submitted.add((kwargs.get("op", "all_reduce"), kwargs.get("async_op", True)))
+            return original_submit(self, tensor, **kwargs)
+        Scheduler.submit = submit
     gen = torch.Generator().manual_seed(1000 + rank)
-    grads, params = [], []
-    for it in range(ITERATIONS):
-        model.zero_grad_buffer()
-        x = torch.randn(8, 16, generator=gen)
-        out = model(x)
-        params.append(_params(model))
-        out.pow(2).mean().backward()
-        forced = it == spec.get("force_all_reduce_at")
-        model.finish_grad_sync(force_all_reduce=forced)
-        grads.append(_grads(model, rank, full=forced or not distopt))
-        _sgd_step(model, rank, distopt, overlap_param_gather)
+    try:
+        grads, params = _iterations(model, spec, rank, gen, distopt, overlap_param_gather)
+    finally:
+        if patched:
+            Scheduler.submit = original_submit
     summary = None
     if patched:
         runtime = mp.current_runtime()
         scheduler = runtime.scheduler
-        summary = {"scheduled": scheduler is not None, "iterations": []}
+        summary = {"scheduled": scheduler is not None, "iterations": [],
+                   "submitted": sorted(submitted)}
         for state in runtime.states.values():
             record = None if scheduler is None else scheduler.last_iteration(state.group)
             if record is not None:
@@ -179,6 +183,21 @@ def _train(spec, rank, patched):
             model.disable_forward_pre_hook()
     params.append(_params(model))
     return grads, params, summary
+
+
+def _iterations(model, spec, rank, gen, distopt, overlap_param_gather):
+    grads, params = [], []
+    for it in range(ITERATIONS):
+        model.zero_grad_buffer()
+        x = torch.randn(8, 16, generator=gen)
+        out = model(x)
+        params.append(_params(model))
+        out.pow(2).mean().backward()
+        forced = it == spec.get("force_all_reduce_at")
+        model.finish_grad_sync(force_all_reduce=forced)
+        grads.append(_grads(model, rank, full=forced or not distopt))
+        _sgd_step(model, rank, distopt, overlap_param_gather)
+    return grads, params
 
 
 def _first_difference(name, ours, stock):
@@ -216,6 +235,14 @@ def _run_scenario(name, rank):
     if summary["iterations"] != [(expected, True)]:
         return (f"last scheduler iteration (requests, planned) per process group: "
                 f"{summary['iterations']}, expected [({expected}, True)]")
+    # A gradient sync megatron would wait for at once is submitted as such (async_op=False).
+    ddp = spec["ddp"]
+    wanted = {("reduce_scatter" if ddp.get("use_distributed_optimizer") else "all_reduce",
+               bool(ddp.get("overlap_grad_reduce")))}
+    if ddp.get("overlap_param_gather"):
+        wanted.add(("all_gather", True))
+    if set(map(tuple, summary["submitted"])) != wanted:
+        return f"submitted (op, async_op): {summary['submitted']}, expected {sorted(wanted)}"
     return None
 
 
