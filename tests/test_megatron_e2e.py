@@ -241,7 +241,7 @@ def test_the_sampler_runs_in_ranks_only_and_the_shadowed_sitecustomize_still_run
         "import os\nopen(os.environ['MARKER'], 'a').write('ran\\n')\n")
     samples = tmp_path / "cpu"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(megatron_e2e.THREAD_CPU_SITE), str(other)]), MARKER=str(tmp_path / "marker"),
+        [str(megatron_e2e.WORKER_SITE), str(other)]), MARKER=str(tmp_path / "marker"),
         BENCH_THREAD_CPU_DIR=str(samples), BENCH_THREAD_CPU_PERIOD_S="0.01")
     env.pop("RANK", None)
     code = "import time; time.sleep(0.2)"
@@ -277,3 +277,52 @@ def test_each_round_has_its_own_ratio():
     # (medians over rounds: stock 225, patched 217.5)
     assert row["ratio"] == pytest.approx(217.5 / 225.0)
     assert "| 1.050, 0.900 |" in megatron_e2e.table({"k": row})
+
+
+def test_the_interleaved_variant_compares_blocks_of_one_process(tmp_path, monkeypatch):
+    """--variants stock,interleaved on the stand-in (megatron-core imported, patched by the
+    launcher): the training step is switched in blocks of 5 iterations, patched first in
+    round 1 and stock first in round 2; the stand-in's step takes 210 ms patched and 200
+    stock, and each block's first iteration is left out."""
+    pytest.importorskip("megatron.core.distributed.param_and_grad_buffer",
+                        reason="megatron-core is not installed (make test installs it)")
+    monkeypatch.setenv("BENCH_INTERLEAVE_TARGET", "fake_training:train_step")
+    doc = _run_fake_checkout(tmp_path, "--variants", "stock,interleaved", "--log-interval",
+                             "1", rounds=2)
+    row = doc["summary"]["nvlink/no_overlap"]
+    assert row["errors"] == [] and row["losses_equal"]
+    assert row["interleaved_ratio_rounds"] == [pytest.approx(1.05)] * 2
+    assert row["interleaved_ratio"] == pytest.approx(1.05)
+    # iterations 11-30 of each round, less 11, 16, 21, 26: 8 of each variant per round
+    assert row["interleaved_iterations"] == {"patched": 16, "stock": 16}
+    assert "patched_ms" not in row or row["patched_ms"] == []
+    first = [run["interleaved"]["interleave"]["first"] for run in doc["runs"]]
+    assert first == ["patched", "stock"]
+    log = open(doc["runs"][1]["interleaved"]["log"]).read()
+    assert "[interleave] iteration 1: stock" in log and "[interleave] iteration 6: patched" in log
+    assert "interleaved: patched/stock" in megatron_e2e.table(doc["summary"])
+
+
+def test_interleaving_lines_are_checked_against_the_schedule():
+    lines = "\n".join(f"[interleave] iteration {it}: {variant}" for it, variant in
+                      ((1, "patched"), (6, "stock"), (11, "patched")))
+    megatron_e2e.check_interleaving(lines, 5, "patched", list(range(1, 14)))
+    with pytest.raises(ValueError, match="did not run"):
+        megatron_e2e.check_interleaving("iteration 1 ...", 5, "patched", [1, 2])
+    with pytest.raises(ValueError, match="differ from blocks of 5 starting stock"):
+        megatron_e2e.check_interleaving(lines, 5, "stock", list(range(1, 14)))
+    with pytest.raises(ValueError, match="differ"):    # a block that ran is missing
+        megatron_e2e.check_interleaving(lines, 5, "patched", list(range(1, 17)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--variants", "stock,fast"], "--variants: 'fast' is not one of"),
+    (["--variants", "interleaved"], "needs --log-interval 1"),
+    (["--variants", "interleaved", "--log-interval", "1", "--interleave", "1"],
+     "--interleave must be >= 2"),
+])
+def test_bad_variants_are_reported(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        megatron_e2e.main(["--megatron", FAKE_CHECKOUT, *flags,
+                           "--out", str(tmp_path / "m.json")])
+    assert message in capsys.readouterr().err

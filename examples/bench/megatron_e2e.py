@@ -14,9 +14,16 @@ Settings:
   distopt_overlap  --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 
 Rounds alternate which variant runs first (stock first in odd rounds), so that a drift of
-the machine over a round does not favour one. ``--launcher-only`` adds a third variant: the
+the machine over a round does not favour one. ``--variants`` picks the launches of a round:
+``stock`` and ``patched`` (the default), ``launcher`` (``--launcher-only`` adds it: the
 patched script with ``COMMSCHED=0``, i.e. under ``commsched.run`` with nothing patched,
-which separates what the launcher costs from what the scheduler does.
+which separates what the launcher costs from what the scheduler does) and ``interleaved``:
+the patched script, its training steps switched between commsched's methods and
+megatron's own in blocks of ``--interleave`` iterations (``worker_site/bench_interleave.py``;
+the first of each block, where the switch happens, is left out; odd rounds start with a
+patched block, even rounds with a stock one), so that both are measured in one process,
+without the offset two processes of the same launch differ by. It needs
+``--log-interval 1``; its ratio is the mean patched iteration over the mean stock one.
 
 Reported per regime and setting: the median over rounds of each run's mean time per logged
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
@@ -31,7 +38,7 @@ run (its mean time per iteration, or its error), JSON (``--out``, rewritten afte
 stock/patched pair, so that a launch cut short keeps what it measured), every run's log
 under ``--log-dir``, a table last.
 
-``--thread-cpu``: every worker samples its threads' CPU time (``thread_cpu_site/``, put
+``--thread-cpu``: every worker samples its threads' CPU time (``worker_site/``, put
 first on the workers' PYTHONPATH; every 0.2 s); each run then reports rank 0's CPU per
 iteration, per thread and for the process, between the logged iterations ``--skip`` and
 the last (from the timestamps of Megatron's log lines), and the table the process's,
@@ -60,7 +67,7 @@ import benchlib  # first: puts the checkout on sys.path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_SCRIPT = ROOT / "examples" / "megatron" / "run_gpt.sh"
-THREAD_CPU_SITE = Path(__file__).resolve().parent / "thread_cpu_site"
+WORKER_SITE = Path(__file__).resolve().parent / "worker_site"
 SETTINGS = {"no_overlap": "0", "overlap_grad": "grad", "distopt_overlap": "1"}
 # NCCL environment of each regime (None: unset); NVLink multicast stays off.
 REGIMES: Dict[str, Dict[str, Optional[str]]] = {
@@ -131,7 +138,7 @@ def thread_cpu_per_iteration(samples_path: Path, log: MegatronLog,
                              skip: int) -> Optional[Dict[str, object]]:
     """A process's CPU ms per iteration, per thread name and in all, between the logged
     iteration ``skip`` (the last logged at or before it) and the last logged one, from the
-    samples ``thread_cpu_site`` wrote to ``samples_path`` and the log's timestamps. None
+    samples ``worker_site/bench_thread_cpu.py`` wrote to ``samples_path`` and the log's timestamps. None
     where the log has no timestamps there or the samples do not cover the span."""
     if log.times is None:
         return None
@@ -174,6 +181,54 @@ def steady_intervals(log: MegatronLog, skip: int) -> List[float]:
         raise ValueError(f"no logged interval after iteration {skip} (logged: "
                          f"{log.iterations}); run more iterations or lower --skip")
     return kept
+
+
+def _interleave_module():
+    """``worker_site/bench_interleave.py`` (standard library only at import)."""
+    folder = str(WORKER_SITE)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import bench_interleave
+
+    return bench_interleave
+
+
+_SWITCH = re.compile(r"^\[interleave\] iteration (\d+): (\w+)\s*$", re.MULTILINE)
+
+
+def check_interleaving(text: str, every: int, first: str, iterations: List[int]) -> None:
+    """Raise ValueError unless the run's ``[interleave]`` lines show the switches the
+    schedule expects: one at the first iteration and at each block start that ran."""
+    expected_of = _interleave_module().block_variant
+    seen = {int(it): variant for it, variant in _SWITCH.findall(text)}
+    if not seen:
+        raise ValueError("no '[interleave] iteration N: ...' line: the interleaving hook did "
+                         "not run (worker_site/ not on the workers' path?)")
+    last = max(iterations) if iterations else 0
+    expected = {it: expected_of(it, every, first)
+                for it in range(1, last + 1) if it == 1 or (it - 1) % every == 0}
+    if seen != expected:
+        wrong = sorted(set(seen.items()) ^ set(expected.items()))[:4]
+        raise ValueError(f"interleaving switches differ from blocks of {every} starting "
+                         f"{first}: {wrong}")
+
+
+def interleaved_intervals(result: Dict[str, object], skip: int) -> Dict[str, List[float]]:
+    """An interleaved run's iteration times after ``skip``, per variant, without the first
+    iteration of each block (the switch); needs every iteration logged."""
+    every, first = result["interleave"]["every"], result["interleave"]["first"]
+    variant_of = _interleave_module().block_variant
+    iterations = result["iterations"]
+    if any(b - a != 1 for a, b in zip(iterations, iterations[1:])):
+        raise ValueError("interleaved: iterations were not logged one by one "
+                         "(--log-interval 1)")
+    out: Dict[str, List[float]] = {"patched": [], "stock": []}
+    for it, ms in zip(iterations, result["ms"]):
+        if it > skip and (it - 1) % every:
+            out[variant_of(it, every, first)].append(ms)
+    if not out["patched"] or not out["stock"]:
+        raise ValueError(f"interleaved: no iteration of both variants after {skip}")
+    return out
 
 
 def commsched_site(tmp: Path) -> Path:
@@ -227,13 +282,18 @@ def run_line(result: Dict[str, object], skip: int) -> str:
     if result["error"]:
         return f"failed: {result['error']} (log {result['log']})"
     try:
+        if "interleave" in result:
+            parts = interleaved_intervals(result, skip)
+            return ", ".join(f"{name} {statistics.fmean(values):.1f} ms/iteration over "
+                             f"{len(values)}" for name, values in parts.items())
         kept = run_intervals(result, skip)
     except ValueError as exc:
         return f"{exc} (log {result['log']})"
     return f"{statistics.fmean(kept):.1f} ms/iteration over {len(kept)} logged intervals"
 
 
-VARIANTS = ("stock", "patched", "launcher")
+VARIANTS = ("stock", "patched", "launcher")       # one launch each, measured as a whole
+ALL_VARIANTS = (*VARIANTS, "interleaved")
 
 
 def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
@@ -243,7 +303,10 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     whether the rounds agree); the same ratios of the median logged interval of all rounds
     pooled (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
     slow iteration of a host-bound run does not move); and whether every variant's losses
-    matched stock's in every round."""
+    matched stock's in every round. An interleaved run (see the module docstring) gives
+    ``interleaved_ratio_rounds`` (each round's mean patched iteration over its mean stock
+    iteration), ``interleaved_ratio`` (their median), the same of the pooled median
+    iterations (``interleaved_ratio_median_iteration``) and the iterations compared."""
     out: Dict[str, object] = {}
     for run in runs:
         key = f"{run['regime']}/{run['setting']}"
@@ -271,11 +334,37 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row["losses_equal"] = False
             if result.get("cpu"):
                 row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
+        interleaved = run.get("interleaved")
+        if interleaved is not None:
+            if interleaved["error"]:
+                row["errors"].append(f"interleaved round {run['round']}: "
+                                     f"{interleaved['error']}")
+            else:
+                try:
+                    parts = interleaved_intervals(interleaved, skip)
+                except ValueError as exc:
+                    row["errors"].append(f"interleaved round {run['round']}: {exc}")
+                else:
+                    row.setdefault("interleaved_ratio_rounds", []).append(
+                        statistics.fmean(parts["patched"]) / statistics.fmean(parts["stock"]))
+                    for name, values in parts.items():
+                        row.setdefault(f"interleaved_{name}_ms", []).extend(values)
+            if interleaved["error"] or stock["error"] or interleaved.get("loss") != stock.get(
+                    "loss"):
+                row["losses_equal"] = False
         # Each round's own ratios: its runs ran minutes apart, closer than any two rounds.
         for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
             if "stock" in means and name in means:
                 row.setdefault(f"{ratio}_rounds", []).append(means[name] / means["stock"])
     for row in out.values():
+        ratios = row.get("interleaved_ratio_rounds")
+        if ratios:
+            row["interleaved_ratio"] = statistics.median(ratios)
+            row["interleaved_ratio_median_iteration"] = (
+                statistics.median(row["interleaved_patched_ms"])
+                / statistics.median(row["interleaved_stock_ms"]))
+            row["interleaved_iterations"] = {
+                name: len(row[f"interleaved_{name}_ms"]) for name in ("patched", "stock")}
         for name in VARIANTS:
             values = row.get(f"{name}_ms")
             if values is not None:
@@ -301,6 +390,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
 def table(summary: Dict[str, object]) -> str:
     launcher = any("launcher_ms" in row for row in summary.values())
     cpu = any("stock_cpu_median_ms" in row for row in summary.values())
+    interleaved = any("interleaved_ratio" in row for row in summary.values())
     rows = []
     for row in summary.values():
         def cell(name):
@@ -323,6 +413,11 @@ def table(summary: Dict[str, object]) -> str:
                  ratio("launcher_ratio_interval_median")] if launcher else []
         if cpu:
             extra += [cpu_cell(name) for name in VARIANTS if launcher or name != "launcher"]
+        if interleaved:
+            counts = row.get("interleaved_iterations")
+            extra += [ratio("interleaved_ratio"), per_round("interleaved_ratio_rounds"),
+                      ratio("interleaved_ratio_median_iteration"),
+                      f"{counts['patched']} / {counts['stock']}" if counts else None]
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
                      ratio("ratio_interval_median"), *extra,
@@ -333,6 +428,9 @@ def table(summary: Dict[str, object]) -> str:
     if cpu:
         extra += [f"{name} CPU ms/iter (rank 0)" for name in VARIANTS
                   if launcher or name != "launcher"]
+    if interleaved:
+        extra += ["interleaved: patched/stock", "interleaved per round",
+                  "interleaved (median iteration)", "interleaved iterations patched / stock"]
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
          "patched/stock per round", "patched/stock (median interval)", *extra,
@@ -351,6 +449,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "benchmarks/megatron_e2e_2xH200_2026-11-27.md)")
     parser.add_argument("--skip", type=int, default=20,
                         help="iterations left out of the mean (default 20)")
+    parser.add_argument("--variants", default="stock,patched",
+                        help="launches per round and setting, from "
+                             f"{', '.join(ALL_VARIANTS)} (default stock,patched; stock is "
+                             "always run: the others are compared with it)")
+    parser.add_argument("--interleave", type=int, default=5, metavar="K",
+                        help="the interleaved variant's block: K iterations patched, K "
+                             "stock, ... (default 5)")
     parser.add_argument("--launcher-only", action="store_true",
                         help="also run the patched script with COMMSCHED=0 (commsched.run, "
                              "nothing patched)")
@@ -379,7 +484,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "trace_overlap.py)")
     parser.add_argument("--thread-cpu", action="store_true",
                         help="sample every worker's per-thread CPU time; report rank 0's "
-                             "CPU per iteration after --skip (thread_cpu_site/)")
+                             "CPU per iteration after --skip (worker_site/)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where each run's log goes (default: next to --out)")
     parser.add_argument("--run-timeout", type=float, default=300.0,
@@ -394,6 +499,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "COMMSCHED" in args.settings_env:
         parser.error("--set COMMSCHED=...: the patched run has COMMSCHED=1 (and "
                      "--launcher-only a run with 0)")
+    variants = args.variants.split(",")
+    for value in variants:
+        if value not in ALL_VARIANTS:
+            parser.error(f"--variants: {value!r} is not one of {', '.join(ALL_VARIANTS)}")
+    if "stock" not in variants:
+        variants.insert(0, "stock")
+    if args.launcher_only and "launcher" not in variants:
+        variants.append("launcher")
+    args.variants = ",".join(variants)
+    if "interleaved" in variants:
+        if args.interleave < 2:
+            parser.error(f"--interleave must be >= 2 (the first iteration of each block is "
+                         f"left out), got {args.interleave}")
+        if args.log_interval != 1:
+            parser.error("--variants interleaved needs --log-interval 1 (each iteration's "
+                         "time, to tell the blocks apart)")
     for name, choices in (("settings", SETTINGS), ("regimes", REGIMES)):
         for value in getattr(args, name).split(","):
             if value not in choices:
@@ -471,12 +592,13 @@ def main(argv=None) -> int:
         patched_script = tmp_path / "run_gpt_commsched.sh"
         patched_script.write_text(patch_script(LAUNCH_SCRIPT.read_text(),
                                                {"COMMSCHED": "1", **args.settings_env}))
-        variants = [("stock", stock_script), ("patched", patched_script)]
-        if args.launcher_only:
-            launcher_script = tmp_path / "run_gpt_launcher.sh"
-            launcher_script.write_text(
+        scripts = {"stock": stock_script, "patched": patched_script,
+                   "interleaved": patched_script}
+        if "launcher" in args.variants.split(","):
+            scripts["launcher"] = tmp_path / "run_gpt_launcher.sh"
+            scripts["launcher"].write_text(
                 patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "0"}))
-            variants.append(("launcher", launcher_script))
+        variants = [(name, scripts[name]) for name in args.variants.split(",")]
         site = commsched_site(tmp_path)
         base = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
         base.update(NCCL_NVLS_ENABLE="0", TRAIN_ITERS=str(args.train_iters),
@@ -487,8 +609,7 @@ def main(argv=None) -> int:
                     PATH=os.pathsep.join([os.path.dirname(sys.executable),
                                           base.get("PATH", "")]),
                     PYTHONPATH=os.pathsep.join(
-                        ([str(THREAD_CPU_SITE)] if args.thread_cpu else [])
-                        + [str(site), str(args.megatron), base.get("PYTHONPATH", "")]))
+                        [str(site), str(args.megatron), base.get("PYTHONPATH", "")]))
         for regime in args.regimes.split(","):
             for round_ in range(1, args.rounds + 1):
                 for setting in args.settings.split(","):
@@ -504,16 +625,33 @@ def main(argv=None) -> int:
                     for variant, script in order:
                         name = f"{regime}_{setting}_r{round_}_{variant}"
                         log_path = log_dir / f"{name}.log"
-                        env["EXTRA_ARGS"] = extra_args(args, name)
-                        env["MASTER_PORT"] = str(benchlib.free_port())
+                        run_env = dict(env, EXTRA_ARGS=extra_args(args, name),
+                                       MASTER_PORT=str(benchlib.free_port()))
+                        if args.thread_cpu or variant == "interleaved":
+                            run_env["PYTHONPATH"] = os.pathsep.join(
+                                [str(WORKER_SITE), env["PYTHONPATH"]])
                         if args.thread_cpu:
                             samples = log_dir / f"{name}_cpu"
                             shutil.rmtree(samples, ignore_errors=True)
-                            env["BENCH_THREAD_CPU_DIR"] = str(samples)
+                            run_env["BENCH_THREAD_CPU_DIR"] = str(samples)
+                        blocks = None
+                        if variant == "interleaved":
+                            blocks = {"every": args.interleave,
+                                      "first": "patched" if round_ % 2 else "stock"}
+                            run_env.update(BENCH_INTERLEAVE=str(blocks["every"]),
+                                           BENCH_INTERLEAVE_FIRST=blocks["first"])
                         print(f"[megatron] {regime} {setting} round {round_}: {variant}",
                               flush=True)
-                        result = run[variant] = run_once(script, args.megatron, env,
+                        result = run[variant] = run_once(script, args.megatron, run_env,
                                                          log_path, args.run_timeout, args.skip)
+                        if blocks is not None:
+                            result["interleave"] = blocks
+                            if not result["error"]:
+                                try:
+                                    check_interleaving(log_path.read_text(), blocks["every"],
+                                                       blocks["first"], result["iterations"])
+                                except ValueError as exc:
+                                    result["error"] = str(exc)
                         print(f"[megatron]   {run_line(result, args.skip)}", flush=True)
                     runs.append(run)
                     # (after every pair: a launch cut short keeps what it measured)

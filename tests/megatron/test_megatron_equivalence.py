@@ -22,6 +22,7 @@ Importing megatron-core costs seconds, so all scenarios run in one pair of spawn
 
 import json
 import os
+import sys
 import warnings
 
 import pytest
@@ -34,6 +35,10 @@ import torch.distributed as dist  # noqa: E402
 
 from commsched import Config  # noqa: E402
 from distributed import run_workers  # noqa: E402
+
+# bench_interleave (the Megatron-LM benchmark's switch); spawned workers inherit sys.path.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples", "bench",
+                                "worker_site"))
 
 WORLD = 2
 ITERATIONS = 4
@@ -70,6 +75,12 @@ SCENARIOS = {
                  overlap_param_gather=True),
         model="two_dtypes", disable_bucketing=True, coalesced=True,
         reference=dict(disable_bucketing=False)),
+    # Iterations alternating between commsched's methods and megatron's own in one run
+    # (examples/bench/worker_site/bench_interleave.py, for the Megatron-LM benchmark).
+    "distopt_overlap_interleaved": dict(
+        ddp=dict(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                 overlap_param_gather=True, bucket_size=BUCKET),
+        interleave=True),
     # Bucket groups built before apply() keep megatron's own collectives.
     "built_before_apply": dict(
         ddp=dict(use_distributed_optimizer=True, overlap_grad_reduce=True,
@@ -149,18 +160,24 @@ def _train(spec, rank, patched):
                                     disable_bucketing=disable_bucketing)
     if patched and early:
         mp.apply(config)
-    submitted = set()         # (op, async_op) of every scheduler request
+    submitted = []            # (op, async_op) of every scheduler request
     if patched:
         from commsched.scheduler import Scheduler
         original_submit = Scheduler.submit
 
         def submit(self, tensor, **kwargs):
-            submitted.add((kwargs.get("op", "all_reduce"), kwargs.get("async_op", True)))
+            submitted.append((kwargs.get("op", "all_reduce"), kwargs.get("async_op", True)))
             return original_submit(self, tensor, **kwargs)
         Scheduler.submit = submit
+    switch = None
+    if patched and spec.get("interleave"):
+        import bench_interleave
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+        switch = bench_interleave.Switch(_ParamAndGradBucketGroup, mp.current_runtime())
     gen = torch.Generator().manual_seed(1000 + rank)
     try:
-        grads, params = _iterations(model, spec, rank, gen, distopt, overlap_param_gather)
+        grads, params = _iterations(model, spec, rank, gen, distopt, overlap_param_gather,
+                                    switch)
     finally:
         if patched:
             Scheduler.submit = original_submit
@@ -169,7 +186,7 @@ def _train(spec, rank, patched):
         runtime = mp.current_runtime()
         scheduler = runtime.scheduler
         summary = {"scheduled": scheduler is not None, "iterations": [],
-                   "submitted": sorted(submitted)}
+                   "submitted": sorted(set(submitted)), "requests": len(submitted)}
         for state in runtime.states.values():
             record = None if scheduler is None else scheduler.last_iteration(state.group)
             if record is not None:
@@ -185,9 +202,11 @@ def _train(spec, rank, patched):
     return grads, params, summary
 
 
-def _iterations(model, spec, rank, gen, distopt, overlap_param_gather):
+def _iterations(model, spec, rank, gen, distopt, overlap_param_gather, switch=None):
     grads, params = [], []
     for it in range(ITERATIONS):
+        if switch is not None:       # patched in even iterations, megatron's own in odd
+            switch.use("stock" if it % 2 else "patched")
         model.zero_grad_buffer()
         x = torch.randn(8, 16, generator=gen)
         out = model(x)
@@ -235,6 +254,11 @@ def _run_scenario(name, rank):
     if summary["iterations"] != [(expected, True)]:
         return (f"last scheduler iteration (requests, planned) per process group: "
                 f"{summary['iterations']}, expected [({expected}, True)]")
+    if spec.get("interleave"):
+        # every other iteration through the scheduler: its gradient syncs and all-gathers
+        if summary["requests"] != ITERATIONS // 2 * expected:
+            return (f"{summary['requests']} requests went through the scheduler, expected "
+                    f"{ITERATIONS // 2 * expected} (half of the iterations)")
     # A gradient sync megatron would wait for at once is submitted as such (async_op=False).
     ddp = spec["ddp"]
     wanted = {("reduce_scatter" if ddp.get("use_distributed_optimizer") else "all_reduce",

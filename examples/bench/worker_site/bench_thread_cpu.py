@@ -1,15 +1,11 @@
-"""Per-thread CPU sampler for benchmark runs: ``megatron_e2e.py --thread-cpu`` puts this
-directory first on the workers' PYTHONPATH, so every Python process of a run imports it at
-start-up. In a process with ``RANK`` and ``BENCH_THREAD_CPU_DIR`` set (a torchrun worker),
+"""Per-thread CPU sampler for benchmark runs (``megatron_e2e.py --thread-cpu``; started by
+this directory's ``sitecustomize``). In a process with ``RANK`` and ``BENCH_THREAD_CPU_DIR`` set (a torchrun worker),
 a daemon thread appends, every ``BENCH_THREAD_CPU_PERIOD_S`` (0.2 s), one JSON line to
 ``$BENCH_THREAD_CPU_DIR/rank<RANK>-pid<pid>.jsonl``: ``{"t": <time.time()>, "threads":
 {tid: [name, ns on a CPU]}}`` from /proc (Linux; nothing elsewhere; the main thread is
 named "main"). A process a worker spawns (a data loader's) inherits ``RANK`` and samples
 itself into a file of its own. Reading /proc costs well under a millisecond a sample, the
-same in every variant.
-
-A ``sitecustomize`` found further down ``sys.path`` (an environment's own) still runs:
-this module executes it after starting the sampler. Standard library only.
+same in every variant. Standard library only.
 """
 
 import os
@@ -42,7 +38,7 @@ def _sample_forever(path, period):
             time.sleep(period)
 
 
-def _start():
+def start():
     directory = os.environ.get("BENCH_THREAD_CPU_DIR")
     rank = os.environ.get("RANK")
     if not directory or rank is None or not os.path.isdir("/proc/self/task"):
@@ -54,23 +50,3 @@ def _start():
     threading.Thread(target=_sample_forever, name="bench-thread-cpu", daemon=True,
                      args=(os.path.join(directory, f"rank{rank}-pid{os.getpid()}.jsonl"),
                            period)).start()
-
-
-def _chain():
-    """Run the next sitecustomize on sys.path, which this one shadows."""
-    import importlib.util
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        folder = os.path.abspath(entry or ".")
-        candidate = os.path.join(folder, "sitecustomize.py")
-        if folder != here and os.path.isfile(candidate):
-            spec = importlib.util.spec_from_file_location("_next_sitecustomize", candidate)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return
-
-
-_start()
-_chain()
