@@ -193,7 +193,8 @@ def _interleave_module():
     return bench_interleave
 
 
-_SWITCH = re.compile(r"^\[interleave\] iteration (\d+): (\w+)\s*$", re.MULTILINE)
+# (anywhere in a line: two ranks' output can share one)
+_SWITCH = re.compile(r"\[interleave\] iteration (\d+): (patched|stock)\b")
 
 
 def check_interleaving(text: str, every: int, first: str, iterations: List[int]) -> None:

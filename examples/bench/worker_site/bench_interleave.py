@@ -9,8 +9,9 @@ passes ``iteration=N-1``), the bucket groups' collectives are switched, for the 
 to commsched's patched methods or to megatron's own, in blocks of ``K`` iterations:
 ``block(N) = (N - 1) // K``; even blocks run ``BENCH_INTERLEAVE_FIRST`` (``patched``, the
 default, or ``stock``), odd blocks the other. Every rank switches at the same iteration.
-Rank 0 prints ``[interleave] iteration N: patched|stock`` at each switch, which
-``megatron_e2e.py`` checks against the schedule it expects.
+The last rank (the one whose training log Megatron-LM prints) prints ``[interleave]
+iteration N: patched|stock`` at each switch, which ``megatron_e2e.py`` checks against the
+schedule it expects.
 
 Why: two runs of the same Megatron-LM launch on one machine differ by a few percent from
 one process to the next (``benchmarks/megatron_gpt_24x1024_2xH100_2026-11-27.md``), more
@@ -80,7 +81,7 @@ def _switch():
     return Switch(getattr(importlib.import_module(CLASS_MODULE), CLASS_NAME), runtime)
 
 
-def wrap_step(step, every: int, first: str, rank: int, out=print):
+def wrap_step(step, every: int, first: str, printing: bool, out=print):
     """``step`` (called with ``iteration=N-1`` for logged iteration N), run in the variant
     of its block."""
     switch = None
@@ -95,7 +96,7 @@ def wrap_step(step, every: int, first: str, rank: int, out=print):
                                "iteration=; cannot tell its block")
         variant = block_variant(iteration + 1, every, first)
         if switch.use(variant) or iteration == 0:
-            if rank == 0:
+            if printing:
                 out(f"[interleave] iteration {iteration + 1}: {variant}", flush=True)
         return step(*args, **kwargs)
 
@@ -163,6 +164,6 @@ def start():
     import sys
 
     every, first, module, name = _settings()
-    rank = int(os.environ["RANK"])
+    last = int(os.environ["RANK"]) == int(os.environ.get("WORLD_SIZE", "1")) - 1
     sys.meta_path.insert(0, _Finder(module, name,
-                                    lambda step: wrap_step(step, every, first, rank)))
+                                    lambda step: wrap_step(step, every, first, last)))
