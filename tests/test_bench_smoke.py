@@ -236,6 +236,10 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
         assert modes[name]["status"] == "ok", modes[name]["reason"]
         assert len(modes[name]["iter_ms"]) == 2 * ITERS, name
         assert len(modes[name]["round_medians_ms"]) == 2, name
+        assert len(modes[name]["process_cpu_ms_rounds"]) == 2, name
+        # nothing a round started (scheduler, telemetry threads) outlives it
+        first, second = modes[name]["live_threads_after"]
+        assert first == second, (name, modes[name]["live_threads_after"])
     config = modes["sweep_p64K_c256K"]["commsched_config"]
     assert (config["partition_bytes"], config["credit_bytes"]) == (64 << 10, 256 << 10)
     assert modes["ddp_commsched"]["status"] == "n/a"

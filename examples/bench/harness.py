@@ -49,6 +49,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -1054,15 +1055,20 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     baseline = start_memory_history(bench) if memory_dir else 0
     try:
         measured = mode.run(bench)
+        # (after the mode closed what it started: a thread left running by one round
+        # would show as a count growing with the rounds)
+        live_threads = threading.active_count()
         result = empty_result(mode, "ok", None)
         result.update(summarize_ms(measured["iter_ms"]))
         result.update(measured)
         if bench.steady_ms:
             result["steady_ms"] = bench.steady_ms
             result["steady_median_ms"] = statistics.median(bench.steady_ms)
+        result["live_threads_after"] = [live_threads]    # this rank's, per round
         if bench.cpu_ms is not None:
             result["cpu_ms_per_iter"] = {"process": bench.cpu_ms[0],
                                          "training_thread": bench.cpu_ms[1]}
+            result["process_cpu_ms_rounds"] = [bench.cpu_ms[0]]
         if bench.phases is not None:
             result["phases"] = [bench.phases]        # this rank's, per round (BENCH_PHASES)
         if bench.threads is not None:
@@ -1161,7 +1167,7 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
         merged["cpu_ms_per_iter"] = {
             k: (previous["cpu_ms_per_iter"][k] * rounds + v) / (rounds + 1)
             for k, v in result["cpu_ms_per_iter"].items()}
-    for key in ("phases", "threads"):
+    for key in ("phases", "threads", "live_threads_after", "process_cpu_ms_rounds"):
         if previous.get(key) and result.get(key):
             merged[key] = previous[key] + result[key]
     if result.get("throughput"):
