@@ -82,3 +82,19 @@ def test_a_megatron_file_gives_a_panel_per_setting_with_the_rounds_range(tmp_pat
         ("stock", 224.0, 216.8, 231.2), ("patched", 227.9, 222.8, 233.0)]
     assert [r[0] for r in data[("nvlink", "Megatron-LM overlap_grad")]] == [
         "stock", "patched", "launcher"]
+
+
+def test_an_interleaved_megatron_launch_gives_its_iterations_median_and_deciles(tmp_path):
+    summary = {"nvlink/distopt_overlap": {
+        "regime": "nvlink", "setting": "distopt_overlap", "stock_ms": [330.0],
+        "stock_median_ms": 330.0, "patched_ms": [],
+        "interleaved_stock_ms": [float(v) for v in range(300, 311)],       # 300..310
+        "interleaved_patched_ms": [float(v) for v in range(301, 312)]}}     # 301..311
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"summary": summary}))
+    rows = _module().panels([path])[("nvlink", "Megatron-LM distopt_overlap")]
+    assert rows[0] == ("stock", 330.0, 330.0, 330.0)
+    assert rows[1] == ("interleaved stock (iterations: median, p10-p90)", 305.0, 301.0, 309.0)
+    assert rows[2][0].startswith("interleaved patched") and rows[2][1:] == (306.0, 302.0, 310.0)
+    proc, out = _plot(tmp_path, [{"summary": summary}])
+    assert proc.returncode == 0, proc.stderr

@@ -7,13 +7,15 @@ panel per regime and model: the figure of a dated report under ``benchmarks/``.
 Modes that did not run (n/a, error) are left out. A busbw.py JSON (one file) is plotted
 instead as time per operation against message size, a line per variant, with the spread
 over its rounds. megatron_e2e.py JSON files give a panel per regime and setting: stock,
-patched (and launcher only), the median over rounds with the rounds' range.
+patched (and launcher only), the median over rounds with the rounds' range; an interleaved
+launch's stock and patched iterations, their median with p10-p90.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -31,6 +33,11 @@ def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, fl
                 values = row.get(f"{name}_ms")
                 if values:
                     rows.append((name, row[f"{name}_median_ms"], min(values), max(values)))
+            for name in ("stock", "patched"):
+                values = row.get(f"interleaved_{name}_ms")
+                if values:
+                    rows.append((f"interleaved {name} (iterations: median, p10-p90)",
+                                 *_median_p10_p90(values)))
         for launch in document.get("launches", []):
             for run in launch.get("runs", []):
                 rows = out.setdefault((run["regime"], run["model"]), [])
@@ -42,6 +49,13 @@ def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, fl
                     if label not in seen:
                         rows.append((label, mode["median_ms"], mode["p10_ms"], mode["p90_ms"]))
     return {key: rows for key, rows in out.items() if rows}
+
+
+def _median_p10_p90(values: List[float]) -> Tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), deciles[0], deciles[-1]
 
 
 def plot(data, output: Path) -> None:
@@ -65,7 +79,8 @@ def plot(data, output: Path) -> None:
         ax.set_xlim(0, max(m + h for m, h in zip(medians, high)) * 1.08)
         ax.set_title(f"{key[1]}, {key[0]}", fontsize=9)
         ax.set_xlabel("ms/iteration (median, p10-p90)" if not key[1].startswith(
-            "Megatron-LM") else "ms/iteration (median of rounds, rounds' range)", fontsize=8)
+            "Megatron-LM") else "ms/iteration (a launch: median of rounds, rounds' range; "
+            "interleaved: as labelled)", fontsize=8)
         for i, m in enumerate(medians):
             ax.text(m, i, f" {m:.1f}", va="center", fontsize=7)
     fig.tight_layout()
