@@ -295,6 +295,9 @@ def test_the_interleaved_variant_compares_blocks_of_one_process(tmp_path, monkey
     assert row["interleaved_ratio"] == pytest.approx(1.05)
     # iterations 11-30 of each round, less 11, 16, 21, 26: 8 of each variant per round
     assert row["interleaved_iterations"] == {"patched": 16, "stock": 16}
+    # two pairs of adjacent blocks per round (11-15 with 16-20, 21-25 with 26-30)
+    assert row["interleaved_block_diff_ms"] == [pytest.approx(10.0)] * 4
+    assert row["interleaved_block_diff_se_ms"] == pytest.approx(0.0)
     assert "patched_ms" not in row or row["patched_ms"] == []
     first = [run["interleaved"]["interleave"]["first"] for run in doc["runs"]]
     assert first == ["patched", "stock"]
@@ -328,3 +331,16 @@ def test_bad_variants_are_reported(tmp_path, capsys, flags, message):
         megatron_e2e.main(["--megatron", FAKE_CHECKOUT, *flags,
                            "--out", str(tmp_path / "m.json")])
     assert message in capsys.readouterr().err
+
+
+def test_block_pairs_compare_adjacent_whole_blocks_after_skip():
+    """Blocks of 4, stock first: a slow drift (0.1 ms per iteration) shifts each pair by
+    the distance between its blocks (4 iterations), not by the run's whole span; a whole
+    block left over, and one cut short by the end of the run, pair with nothing."""
+    iterations = list(range(1, 31))
+    ms = [(210.0 if ((it - 1) // 4) % 2 else 200.0) + 0.1 * it for it in iterations]
+    result = {"iterations": iterations, "ms": ms, "interleave": {"every": 4, "first": "stock"}}
+    diffs = megatron_e2e.interleaved_block_pairs(result, skip=8)
+    # whole blocks after 8: 9-12 (stock) with 13-16, 17-20 with 21-24; 25-28 left over,
+    # 29-30 cut short
+    assert diffs == [pytest.approx(10.0 + 0.4)] * 2

@@ -23,7 +23,9 @@ megatron's own in blocks of ``--interleave`` iterations (``worker_site/bench_int
 the first of each block, where the switch happens, is left out; odd rounds start with a
 patched block, even rounds with a stock one), so that both are measured in one process,
 without the offset two processes of the same launch differ by. It needs
-``--log-interval 1``; its ratio is the mean patched iteration over the mean stock one.
+``--log-interval 1``; its ratio is the mean patched iteration over the mean stock one, and
+the table adds patched - stock between adjacent whole blocks (non-overlapping pairs, mean
+and standard error), which a slow drift of the machine does not move.
 
 Reported per regime and setting: the median over rounds of each run's mean time per logged
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
@@ -232,6 +234,30 @@ def interleaved_intervals(result: Dict[str, object], skip: int) -> Dict[str, Lis
     return out
 
 
+def interleaved_block_pairs(result: Dict[str, object], skip: int) -> List[float]:
+    """patched - stock (ms), between the means of two adjacent whole blocks (each without
+    its first iteration), for non-overlapping pairs of blocks that start after ``skip``: a
+    drift of the machine slower than two blocks cancels within a pair."""
+    every, first = result["interleave"]["every"], result["interleave"]["first"]
+    variant_of = _interleave_module().block_variant
+    blocks: Dict[int, List[float]] = {}
+    for it, ms in zip(result["iterations"], result["ms"]):
+        if (it - 1) % every:
+            blocks.setdefault((it - 1) // every, []).append(ms)
+    whole = [j for j in sorted(blocks) if j * every >= skip and len(blocks[j]) == every - 1]
+    diffs, j = [], 0
+    while j + 1 < len(whole):
+        a, b = whole[j], whole[j + 1]
+        if b != a + 1:
+            j += 1
+            continue
+        means = {variant_of(k * every + 1, every, first): statistics.fmean(blocks[k])
+                 for k in (a, b)}
+        diffs.append(means["patched"] - means["stock"])
+        j += 2
+    return diffs
+
+
 def commsched_site(tmp: Path) -> Path:
     """A directory holding the commsched package as installed (hooks/ and
     megatron_patches/ inside it), for the workers' PYTHONPATH."""
@@ -348,6 +374,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 else:
                     row.setdefault("interleaved_ratio_rounds", []).append(
                         statistics.fmean(parts["patched"]) / statistics.fmean(parts["stock"]))
+                    row.setdefault("interleaved_block_diff_ms", []).extend(
+                        interleaved_block_pairs(interleaved, skip))
                     for name, values in parts.items():
                         row.setdefault(f"interleaved_{name}_ms", []).extend(values)
             if interleaved["error"] or stock["error"] or interleaved.get("loss") != stock.get(
@@ -366,6 +394,10 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 / statistics.median(row["interleaved_stock_ms"]))
             row["interleaved_iterations"] = {
                 name: len(row[f"interleaved_{name}_ms"]) for name in ("patched", "stock")}
+            diffs = row.get("interleaved_block_diff_ms") or []
+            if len(diffs) >= 2:
+                row["interleaved_block_diff_mean_ms"] = statistics.fmean(diffs)
+                row["interleaved_block_diff_se_ms"] = statistics.stdev(diffs) / len(diffs) ** 0.5
         for name in VARIANTS:
             values = row.get(f"{name}_ms")
             if values is not None:
@@ -416,8 +448,12 @@ def table(summary: Dict[str, object]) -> str:
             extra += [cpu_cell(name) for name in VARIANTS if launcher or name != "launcher"]
         if interleaved:
             counts = row.get("interleaved_iterations")
+            mean = row.get("interleaved_block_diff_mean_ms")
             extra += [ratio("interleaved_ratio"), per_round("interleaved_ratio_rounds"),
                       ratio("interleaved_ratio_median_iteration"),
+                      None if mean is None else
+                      f"{mean:+.1f} ({row['interleaved_block_diff_se_ms']:.1f}), "
+                      f"{len(row['interleaved_block_diff_ms'])} pairs",
                       f"{counts['patched']} / {counts['stock']}" if counts else None]
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
@@ -431,7 +467,9 @@ def table(summary: Dict[str, object]) -> str:
                   if launcher or name != "launcher"]
     if interleaved:
         extra += ["interleaved: patched/stock", "interleaved per round",
-                  "interleaved (median iteration)", "interleaved iterations patched / stock"]
+                  "interleaved (median iteration)",
+                  "interleaved: patched - stock ms, adjacent blocks (s.e.)",
+                  "interleaved iterations patched / stock"]
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
          "patched/stock per round", "patched/stock (median interval)", *extra,
