@@ -344,3 +344,34 @@ def test_block_pairs_compare_adjacent_whole_blocks_after_skip():
     # whole blocks after 8: 9-12 (stock) with 13-16, 17-20 with 21-24; 25-28 left over,
     # 29-30 cut short
     assert diffs == [pytest.approx(10.0 + 0.4)] * 2
+
+
+def test_the_wrapped_step_switches_at_block_starts_and_announces_where_it_starts(monkeypatch):
+    bench_interleave = megatron_e2e._interleave_module()
+    used = []
+
+    class FakeSwitch:
+        current = "patched"
+
+        def use(self, variant):
+            used.append(variant)
+            changed, self.current = variant != self.current, variant
+            return changed
+    monkeypatch.setattr(bench_interleave, "_switch", FakeSwitch)
+    lines = []
+    step = bench_interleave.wrap_step(lambda *, iteration: iteration, 4, "stock", True,
+                                      out=lambda text, flush: lines.append(text))
+    assert [step(iteration=i) for i in range(10)] == list(range(10))
+    assert used == ["stock"] * 4 + ["patched"] * 4 + ["stock"] * 2
+    assert lines == ["[interleave] iteration 1: stock", "[interleave] iteration 5: patched",
+                     "[interleave] iteration 9: stock"]
+    # resumed at iteration 3, in a patched block, the methods already patched: the first
+    # step says where it starts though nothing switched
+    lines.clear()
+    step = bench_interleave.wrap_step(lambda *, iteration: None, 4, "patched", True,
+                                      out=lambda text, flush: lines.append(text))
+    step(iteration=2)
+    step(iteration=3)
+    assert lines == ["[interleave] iteration 3: patched"]
+    with pytest.raises(RuntimeError, match="without iteration="):
+        step()

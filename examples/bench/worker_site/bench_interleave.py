@@ -88,14 +88,15 @@ def wrap_step(step, every: int, first: str, printing: bool, out=print):
 
     def interleaved_step(*args, **kwargs):
         nonlocal switch
-        if switch is None:
-            switch = _switch()
         iteration = kwargs.get("iteration")
         if iteration is None:
             raise RuntimeError("BENCH_INTERLEAVE: the training step was called without "
                                "iteration=; cannot tell its block")
         variant = block_variant(iteration + 1, every, first)
-        if switch.use(variant) or iteration == 0:
+        announce = switch is None             # (the first step says where it starts)
+        if announce:
+            switch = _switch()
+        if switch.use(variant) or announce:
             if printing:
                 out(f"[interleave] iteration {iteration + 1}: {variant}", flush=True)
         return step(*args, **kwargs)
