@@ -375,3 +375,25 @@ def test_the_wrapped_step_switches_at_block_starts_and_announces_where_it_starts
     assert lines == ["[interleave] iteration 3: patched"]
     with pytest.raises(RuntimeError, match="without iteration="):
         step()
+
+
+def test_the_interleaved_variant_alone_runs_no_stock_launch(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core.distributed.param_and_grad_buffer",
+                        reason="megatron-core is not installed (make test installs it)")
+    monkeypatch.setenv("BENCH_INTERLEAVE_TARGET", "fake_training:train_step")
+    doc = _run_fake_checkout(tmp_path, "--variants", "interleaved", "--log-interval", "1")
+    assert doc["settings"]["variants"] == "interleaved"
+    [run] = doc["runs"]
+    assert run["order"] == ["interleaved"] and "stock" not in run
+    row = doc["summary"]["nvlink/no_overlap"]
+    assert row["errors"] == [] and row["losses_equal"] is None
+    assert row["interleaved_ratio"] == pytest.approx(1.05)
+    assert "| not compared |" in megatron_e2e.table(doc["summary"])
+
+
+def test_patched_and_launcher_variants_bring_the_stock_launch():
+    for variants, expected in (("patched", "stock,patched"),
+                               ("launcher,interleaved", "stock,launcher,interleaved")):
+        args = megatron_e2e.parse_args(["--megatron", FAKE_CHECKOUT, "--variants", variants,
+                                        "--log-interval", "1"])
+        assert args.variants == expected

@@ -22,7 +22,8 @@ the patched script, its training steps switched between commsched's methods and
 megatron's own in blocks of ``--interleave`` iterations (``worker_site/bench_interleave.py``;
 the first of each block, where the switch happens, is left out; odd rounds start with a
 patched block, even rounds with a stock one), so that both are measured in one process,
-without the offset two processes of the same launch differ by. It needs
+without the offset two processes of the same launch differ by (``--variants interleaved``
+alone runs no stock launch: the losses are then not compared). It needs
 ``--log-interval 1``; its ratio is the mean patched iteration over the mean stock one, and
 the table adds patched - stock between adjacent whole blocks (non-overlapping pairs, mean
 and standard error), which a slow drift of the machine does not move.
@@ -330,7 +331,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     whether the rounds agree); the same ratios of the median logged interval of all rounds
     pooled (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
     slow iteration of a host-bound run does not move); and whether every variant's losses
-    matched stock's in every round. An interleaved run (see the module docstring) gives
+    matched stock's in every round (None where no stock launch ran). An interleaved run (see the module docstring) gives
     ``interleaved_ratio_rounds`` (each round's mean patched iteration over its mean stock
     iteration), ``interleaved_ratio`` (their median), the same of the pooled median
     iterations (``interleaved_ratio_median_iteration``) and the iterations compared."""
@@ -340,7 +341,9 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
         row = out.setdefault(key, {"regime": run["regime"], "setting": run["setting"],
                                    "stock_ms": [], "patched_ms": [], "losses_equal": True,
                                    "errors": []})
-        stock = run["stock"]
+        stock = run.get("stock")              # (none with --variants interleaved alone)
+        if stock is None:
+            row["losses_equal"] = None        # nothing to compare them with
         means: Dict[str, float] = {}          # this round's, per variant
         for name in VARIANTS:
             result = run.get(name)
@@ -357,7 +360,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                     row.setdefault(f"{name}_intervals_ms", []).extend(kept)
                 except ValueError as exc:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
-            if result["error"] or stock["error"] or result.get("loss") != stock.get("loss"):
+            if stock is not None and (result["error"] or stock["error"]
+                                      or result.get("loss") != stock.get("loss")):
                 row["losses_equal"] = False
             if result.get("cpu"):
                 row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
@@ -378,8 +382,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                         interleaved_block_pairs(interleaved, skip))
                     for name, values in parts.items():
                         row.setdefault(f"interleaved_{name}_ms", []).extend(values)
-            if interleaved["error"] or stock["error"] or interleaved.get("loss") != stock.get(
-                    "loss"):
+            if stock is not None and (interleaved["error"] or stock["error"]
+                                      or interleaved.get("loss") != stock.get("loss")):
                 row["losses_equal"] = False
         # Each round's own ratios: its runs ran minutes apart, closer than any two rounds.
         for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
@@ -458,7 +462,7 @@ def table(summary: Dict[str, object]) -> str:
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
                      ratio("ratio_interval_median"), *extra,
-                     "yes" if row["losses_equal"] else "NO",
+                     {True: "yes", False: "NO", None: "not compared"}[row["losses_equal"]],
                      "; ".join(row["errors"])[:120] or None])
     extra = (["launcher only ms/iter", "launcher/stock", "launcher/stock (median interval)"]
              if launcher else [])
@@ -491,7 +495,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", default="stock,patched",
                         help="launches per round and setting, from "
                              f"{', '.join(ALL_VARIANTS)} (default stock,patched; stock is "
-                             "always run: the others are compared with it)")
+                             "added to patched or launcher, which are compared with it; "
+                             "interleaved alone runs no stock launch, and its losses are "
+                             "then not compared)")
     parser.add_argument("--interleave", type=int, default=5, metavar="K",
                         help="the interleaved variant's block: K iterations patched, K "
                              "stock, ... (default 5)")
@@ -542,10 +548,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for value in variants:
         if value not in ALL_VARIANTS:
             parser.error(f"--variants: {value!r} is not one of {', '.join(ALL_VARIANTS)}")
-    if "stock" not in variants:
-        variants.insert(0, "stock")
     if args.launcher_only and "launcher" not in variants:
         variants.append("launcher")
+    if "stock" not in variants and ("patched" in variants or "launcher" in variants):
+        variants.insert(0, "stock")
     args.variants = ",".join(variants)
     if "interleaved" in variants:
         if args.interleave < 2:
