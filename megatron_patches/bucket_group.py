@@ -309,11 +309,17 @@ class Runtime:
         been issued and waited for: its collectives then follow the scheduler's on every
         rank, rather than interleaving with them by timing."""
         state = self.state_of(bucket_group)
-        if state is not None and state.pending():
+        if state is not None:
+            self.complete_outstanding(state)
+        return self.originals[name](bucket_group, **kwargs)
+
+    def complete_outstanding(self, state: GroupState) -> None:
+        """End ``state``'s open iteration and wait for its submitted requests, so that a
+        collective megatron issues itself on the group comes after them on every rank."""
+        if state.pending():
             self.end_iteration(state)
             for request in list(state.pending()):
                 request.wait()
-        return self.originals[name](bucket_group, **kwargs)
 
     # ---- submission ----------------------------------------------------------------------
     def submit(self, member: _Member, phase: str, op: str, tensors: List[torch.Tensor], *,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import re
@@ -186,14 +187,17 @@ def steady_intervals(log: MegatronLog, skip: int) -> List[float]:
     return kept
 
 
-def _interleave_module():
-    """``worker_site/bench_interleave.py`` (standard library only at import)."""
-    folder = str(WORKER_SITE)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import bench_interleave
+def _standalone(folder: Path, name: str):
+    """Module ``name`` of ``folder``, a file that needs only the standard library at
+    import (so, not megatron-core or torch)."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return importlib.import_module(name)
 
-    return bench_interleave
+
+def _interleave_module():
+    """``worker_site/bench_interleave.py``."""
+    return _standalone(WORKER_SITE, "bench_interleave")
 
 
 # (anywhere in a line: two ranks' output can share one)
@@ -217,19 +221,31 @@ def check_interleaving(text: str, every: int, first: str, iterations: List[int])
                          f"{first}: {wrong}")
 
 
+def _interleaved_blocks(result: Dict[str, object]) -> Dict[int, tuple]:
+    """An interleaved run's blocks by index: (variant, [(iteration, ms)]), each without its
+    first iteration (the switch)."""
+    every, first = result["interleave"]["every"], result["interleave"]["first"]
+    variant_of = _interleave_module().block_variant
+    blocks: Dict[int, tuple] = {}
+    for it, ms in zip(result["iterations"], result["ms"]):
+        if (it - 1) % every:
+            block = (it - 1) // every
+            if block not in blocks:
+                blocks[block] = (variant_of(it, every, first), [])
+            blocks[block][1].append((it, ms))
+    return blocks
+
+
 def interleaved_intervals(result: Dict[str, object], skip: int) -> Dict[str, List[float]]:
     """An interleaved run's iteration times after ``skip``, per variant, without the first
     iteration of each block (the switch); needs every iteration logged."""
-    every, first = result["interleave"]["every"], result["interleave"]["first"]
-    variant_of = _interleave_module().block_variant
     iterations = result["iterations"]
     if any(b - a != 1 for a, b in zip(iterations, iterations[1:])):
         raise ValueError("interleaved: iterations were not logged one by one "
                          "(--log-interval 1)")
     out: Dict[str, List[float]] = {"patched": [], "stock": []}
-    for it, ms in zip(iterations, result["ms"]):
-        if it > skip and (it - 1) % every:
-            out[variant_of(it, every, first)].append(ms)
+    for variant, kept in _interleaved_blocks(result).values():
+        out[variant].extend(ms for it, ms in kept if it > skip)
     if not out["patched"] or not out["stock"]:
         raise ValueError(f"interleaved: no iteration of both variants after {skip}")
     return out
@@ -239,21 +255,17 @@ def interleaved_block_pairs(result: Dict[str, object], skip: int) -> List[float]
     """patched - stock (ms), between the means of two adjacent whole blocks (each without
     its first iteration), for non-overlapping pairs of blocks that start after ``skip``: a
     drift of the machine slower than two blocks cancels within a pair."""
-    every, first = result["interleave"]["every"], result["interleave"]["first"]
-    variant_of = _interleave_module().block_variant
-    blocks: Dict[int, List[float]] = {}
-    for it, ms in zip(result["iterations"], result["ms"]):
-        if (it - 1) % every:
-            blocks.setdefault((it - 1) // every, []).append(ms)
-    whole = [j for j in sorted(blocks) if j * every >= skip and len(blocks[j]) == every - 1]
+    every = result["interleave"]["every"]
+    blocks = _interleaved_blocks(result)
+    whole = [j for j in sorted(blocks)
+             if j * every >= skip and len(blocks[j][1]) == every - 1]
     diffs, j = [], 0
     while j + 1 < len(whole):
         a, b = whole[j], whole[j + 1]
         if b != a + 1:
             j += 1
             continue
-        means = {variant_of(k * every + 1, every, first): statistics.fmean(blocks[k])
-                 for k in (a, b)}
+        means = {blocks[k][0]: statistics.fmean(ms for _, ms in blocks[k][1]) for k in (a, b)}
         diffs.append(means["patched"] - means["stock"])
         j += 2
     return diffs
@@ -586,14 +598,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _launch_script():
-    """This checkout's ``megatron_patches/launch_script.py`` (standard library only: no
-    megatron-core, no torch), which ``commsched patch-launch`` runs."""
-    folder = str(ROOT / "megatron_patches")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import launch_script
-
-    return launch_script
+    """This checkout's ``megatron_patches/launch_script.py``, which ``commsched
+    patch-launch`` runs."""
+    return _standalone(ROOT / "megatron_patches", "launch_script")
 
 
 def extra_args(args: argparse.Namespace, run_name: str) -> str:

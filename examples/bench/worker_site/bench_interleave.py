@@ -21,7 +21,7 @@ that offset.
 Switching keeps commsched's registration of the bucket groups (done when they were built,
 under the patches): the class's methods are exchanged, not re-applied. Before switching to
 megatron's own, whatever the scheduler still has outstanding is ended and waited for, as
-before any of megatron's own collectives (``Runtime.call_original``). Standard library
+before any of megatron's own collectives (``Runtime.complete_outstanding``). Standard library
 only at import.
 """
 
@@ -56,12 +56,8 @@ class Switch:
         if variant == self.current:
             return False
         if variant == "stock":
-            runtime = self.runtime
-            for state in runtime.states.values():
-                if state.pending():
-                    runtime.end_iteration(state)
-                    for request in list(state.pending()):
-                        request.wait()
+            for state in self.runtime.states.values():
+                self.runtime.complete_outstanding(state)
         methods = self.patched if variant == "patched" else self.runtime.originals
         for name in SWITCHED:
             setattr(self.cls, name, methods[name])
