@@ -397,3 +397,38 @@ def test_patched_and_launcher_variants_bring_the_stock_launch():
         args = megatron_e2e.parse_args(["--megatron", FAKE_CHECKOUT, "--variants", variants,
                                         "--log-interval", "1"])
         assert args.variants == expected
+
+
+def _interleaved_round(round_, first, loss):
+    iterations = list(range(1, 13))
+    return {"regime": "host", "setting": "distopt_overlap", "round": round_,
+            "interleaved": {"error": None, "iterations": iterations, "ms": [200.0] * 12,
+                            "loss": loss, "interleave": {"every": 3, "first": first}}}
+
+
+def test_without_a_stock_launch_rounds_starting_with_opposite_variants_compare_losses():
+    """Round 1 ran patched where round 2 ran stock and back: equal losses at every
+    iteration mean equal training steps, unequal ones are a failure; one round, or rounds
+    that all start alike, compare nothing."""
+    losses = [10.0 - 0.1 * i for i in range(12)]
+    summary = megatron_e2e.summarize([_interleaved_round(1, "patched", losses),
+                                      _interleaved_round(2, "stock", list(losses))], skip=3)
+    row = summary["host/distopt_overlap"]
+    assert row["losses_equal"] is True
+    assert row["losses_compared"] == "interleaved rounds starting patched and stock"
+    assert "| yes (opposite rounds) |" in megatron_e2e.table(summary)
+    other = losses[:5] + [losses[5] + 1e-6] + losses[6:]
+    row = megatron_e2e.summarize([_interleaved_round(1, "patched", losses),
+                                  _interleaved_round(2, "stock", other)],
+                                 skip=3)["host/distopt_overlap"]
+    assert row["losses_equal"] is False
+    for runs in ([_interleaved_round(1, "patched", losses)],
+                 [_interleaved_round(1, "patched", losses),
+                  _interleaved_round(3, "patched", list(losses))]):
+        row = megatron_e2e.summarize(runs, skip=3)["host/distopt_overlap"]
+        assert row["losses_equal"] is None and "losses_compared" not in row
+    # a round whose log gave no losses proves nothing
+    row = megatron_e2e.summarize([_interleaved_round(1, "patched", []),
+                                  _interleaved_round(2, "stock", [])],
+                                 skip=3)["host/distopt_overlap"]
+    assert row["losses_equal"] is False

@@ -23,7 +23,9 @@ megatron's own in blocks of ``--interleave`` iterations (``worker_site/bench_int
 the first of each block, where the switch happens, is left out; odd rounds start with a
 patched block, even rounds with a stock one), so that both are measured in one process,
 without the offset two processes of the same launch differ by (``--variants interleaved``
-alone runs no stock launch: the losses are then not compared). It needs
+alone runs no stock launch: the losses are then compared between rounds that start with
+opposite variants, each of which ran every iteration with the other one, and not at all
+with one round). It needs
 ``--log-interval 1``; its ratio is the mean patched iteration over the mean stock one, and
 the table adds patched - stock between adjacent whole blocks (non-overlapping pairs, mean
 and standard error), which a slow drift of the machine does not move.
@@ -343,7 +345,10 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     whether the rounds agree); the same ratios of the median logged interval of all rounds
     pooled (``ratio_interval_median``: with ``--log-interval 1`` a typical iteration, which one
     slow iteration of a host-bound run does not move); and whether every variant's losses
-    matched stock's in every round (None where no stock launch ran). An interleaved run (see the module docstring) gives
+    matched stock's in every round (``losses_compared``: "stock launch"). Without a stock
+    launch, interleaved rounds that start with opposite variants are compared with each
+    other instead (``losses_compared`` says so); None where neither ran. An interleaved
+    run (see the module docstring) gives
     ``interleaved_ratio_rounds`` (each round's mean patched iteration over its mean stock
     iteration), ``interleaved_ratio`` (their median), the same of the pooled median
     iterations (``interleaved_ratio_median_iteration``) and the iterations compared."""
@@ -379,6 +384,9 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
         interleaved = run.get("interleaved")
         if interleaved is not None:
+            if stock is None and not interleaved["error"]:
+                row.setdefault("_interleaved_losses", {}).setdefault(
+                    interleaved["interleave"]["first"], []).append(interleaved.get("loss"))
             if interleaved["error"]:
                 row["errors"].append(f"interleaved round {run['round']}: "
                                      f"{interleaved['error']}")
@@ -402,6 +410,15 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
             if "stock" in means and name in means:
                 row.setdefault(f"{ratio}_rounds", []).append(means[name] / means["stock"])
     for row in out.values():
+        by_first = row.pop("_interleaved_losses", {})
+        if row["losses_equal"] is None and len(by_first) == 2:
+            # Without a stock launch: rounds that start with opposite variants ran every
+            # iteration with the other one, so equal losses mean equal training steps.
+            losses = [loss for runs_ in by_first.values() for loss in runs_]
+            row["losses_equal"] = all(losses) and all(loss == losses[0] for loss in losses)
+            row["losses_compared"] = "interleaved rounds starting patched and stock"
+        elif row["losses_equal"] is not None:
+            row["losses_compared"] = "stock launch"
         ratios = row.get("interleaved_ratio_rounds")
         if ratios:
             row["interleaved_ratio"] = statistics.median(ratios)
@@ -474,7 +491,9 @@ def table(summary: Dict[str, object]) -> str:
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
                      ratio("ratio_interval_median"), *extra,
-                     {True: "yes", False: "NO", None: "not compared"}[row["losses_equal"]],
+                     {True: "yes", False: "NO", None: "not compared"}[row["losses_equal"]]
+                     + (" (opposite rounds)" if row.get("losses_compared", "").startswith(
+                         "interleaved") else ""),
                      "; ".join(row["errors"])[:120] or None])
     extra = (["launcher only ms/iter", "launcher/stock", "launcher/stock (median interval)"]
              if launcher else [])
@@ -508,8 +527,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="launches per round and setting, from "
                              f"{', '.join(ALL_VARIANTS)} (default stock,patched; stock is "
                              "added to patched or launcher, which are compared with it; "
-                             "interleaved alone runs no stock launch, and its losses are "
-                             "then not compared)")
+                             "interleaved alone runs no stock launch; its losses are then "
+                             "compared between rounds that start with opposite variants, "
+                             "with --rounds 2 or more)")
     parser.add_argument("--interleave", type=int, default=5, metavar="K",
                         help="the interleaved variant's block: K iterations patched, K "
                              "stock, ... (default 5)")
