@@ -18,7 +18,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, float, float]]]:
@@ -47,8 +47,15 @@ def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, fl
                         continue
                     label = mode.get("label") or mode.get("name")
                     if label not in seen:
-                        rows.append((label, mode["median_ms"], mode["p10_ms"], mode["p90_ms"]))
+                        # (a computed row, the bound, has no samples: no spread)
+                        median = mode["median_ms"]
+                        rows.append((label, median, _or(mode.get("p10_ms"), median),
+                                     _or(mode.get("p90_ms"), median)))
     return {key: rows for key, rows in out.items() if rows}
+
+
+def _or(value: Optional[float], default: float) -> float:
+    return default if value is None else value
 
 
 def _median_p10_p90(values: List[float]) -> Tuple[float, float, float]:
