@@ -1,7 +1,11 @@
 """The writer thread: the only code that touches a rank's SQLite file after it is created.
 
 Producers (completion thread, training thread, sampler thread) only ``put`` messages on a
-queue. The writer batches rows into transactions and commits
+queue. Each message that wakes the writer takes the GIL, during backward from autograd's
+thread; so only the messages that may complete or end an iteration wake it (chunk
+records, iteration records, step markers, flush and close). The sampler's (NVLink samples,
+link health, NVML status) and tuning decisions wait in a deque for the next wake-up, at
+most ``DEFER_S``. The writer batches rows into transactions and commits
 
 * at once after an iteration record (on CUDA once the device got to its flush: see
   ``device_clock``), a step marker or an iteration whose communication
@@ -81,6 +85,9 @@ _SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 # times per iteration. The interval decides when the record is stored, not its times.
 MARK_POLL_S = 0.002
 MARK_POLL_MAX_S = 0.032
+# The longest a message that does not wake the writer waits (see the module docstring);
+# also the writer's longest sleep.
+DEFER_S = 0.25
 MARK_WAIT_S = 2.0
 
 
@@ -102,6 +109,7 @@ class StoreWriter:
         self.assembler = IterationAssembler(rank)
         self.failed: Optional[str] = None
         self._q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._later: "collections.deque[object]" = collections.deque()    # (_DEFERRED)
         self._thread: Optional[threading.Thread] = None
         self._in_tx = False
         self._rows = 0
@@ -116,11 +124,15 @@ class StoreWriter:
         self._marked: "collections.deque[IterationRecord]" = collections.deque()
         self.device_clock: Optional[DeviceClock] = None     # created at the first mark
         self.mark_polls = 0                 # looks at a mark the device had not reached
+        self.wakeups = 0                    # returns from the wait for a message
         self._mark_poll_s = MARK_POLL_S
 
     # --- producer side -----------------------------------------------------------------------
     def put(self, message: object) -> None:
-        self._q.put(message)
+        if type(message) in _DEFERRED:
+            self._later.append(message)       # (no wake-up: see the module docstring)
+        else:
+            self._q.put(message)
 
     def start(self) -> None:
         self._thread = start_thread(self._run, "commsched-telemetry", "cs-telemetry")
@@ -145,13 +157,19 @@ class StoreWriter:
     # --- writer thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            timeout = max(0.0, self._deadline - time.monotonic()) if self._in_tx else None
+            timeout = DEFER_S
+            if self._in_tx:
+                timeout = min(timeout, max(0.0, self._deadline - time.monotonic()))
             if self._marked:
-                poll = self._mark_poll_s
-                timeout = poll if timeout is None else min(timeout, poll)
+                timeout = min(timeout, self._mark_poll_s)
             try:
                 msg = self._q.get(timeout=timeout)
             except queue.Empty:
+                msg = None
+            self.wakeups += 1
+            if self._later:
+                self._drain_later()           # (put before msg, or at most DEFER_S ago)
+            if msg is None:
                 resolved = self._guarded(self._resolve_marks)
                 self._mark_poll_s = (MARK_POLL_S if resolved or not self._marked
                                      else min(2 * self._mark_poll_s, MARK_POLL_MAX_S))
@@ -176,6 +194,17 @@ class StoreWriter:
             urgent = self._guarded(lambda: self._handle(msg))
             if urgent or self._rows >= self.batch_rows:
                 self._guarded(self._commit)
+
+    def _drain_later(self) -> None:
+        """Store the messages that did not wake the writer, in the order they came."""
+        later = self._later
+        urgent = False
+        while later:
+            msg = later.popleft()
+            if self.failed is None:           # (disabled: dropped, as the queue's)
+                urgent = self._guarded(lambda: self._handle(msg)) or urgent
+        if urgent or self._rows >= self.batch_rows:
+            self._guarded(self._commit)
 
     def _resolve_marks(self, wait_s: float = 0.0) -> bool:
         """Hand the waiting iteration records to the assembler, in order, each with its
@@ -356,3 +385,7 @@ class StoreWriter:
             self.conn.execute("PRAGMA journal_mode=DELETE")
         except sqlite3.Error:
             pass        # a reader still has it open; the WAL stays, which is also readable
+
+
+# The messages that wait for the writer's next wake-up (see the module docstring).
+_DEFERRED = frozenset((CounterSample, HealthSample, NvmlStatus, TuningDecision))

@@ -1,0 +1,68 @@
+"""The writer wakes only for messages that may complete or end an iteration: the sampler's
+several samples per iteration wait for the next wake-up (each wake-up takes the GIL, during
+backward from autograd's thread), at most DEFER_S, and a flush stores them."""
+
+import sqlite3
+import time
+
+from commsched.telemetry import writer as writer_module
+from commsched.telemetry.nvml import GpuInfo, LinkInfo
+from commsched.telemetry.sampler import CounterSample, HealthSample, NvmlStatus
+from commsched.telemetry.store import create_store, rank_path
+from commsched.telemetry.writer import StepMarker, StoreWriter
+
+from .helpers import MS, T0
+
+
+def _sampler_messages(n):
+    links = [LinkInfo(l, 1, 6, 25000, "switch", None) for l in range(2)]
+    yield NvmlStatus("ok", "2 active links", "580.00", GpuInfo(0, "Fake", "GPU-0",
+                                                               "0000:10:00.0"), links)
+    yield HealthSample(T0, {l: (1, 25000, 0, 0, 0, 0) for l in range(2)})
+    for k in range(n):
+        yield CounterSample(T0 + k * MS, 1000, {-1: (k, k, None, None)})
+
+
+def _count(path, table):
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+
+
+def _until(predicate, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_samples_wait_for_the_next_wake_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "DEFER_S", 60.0)     # no timed wake-up in this test
+    path = rank_path(str(tmp_path), 0)
+    writer = StoreWriter(create_store(path), 0)
+    writer.start()
+    for message in _sampler_messages(50):
+        writer.put(message)
+    time.sleep(0.3)
+    assert writer.wakeups == 0 and _count(path, "nvlink_metrics") == 0
+    writer.put(StepMarker(0, T0))                            # one wake-up stores them all
+    _until(lambda: _count(path, "app_steps") == 1)
+    assert writer.wakeups == 1
+    assert _count(path, "nvlink_metrics") == 50 and _count(path, "nvlink_health") == 2
+    assert writer.close(timeout=30) and writer.failed is None
+
+
+def test_samples_alone_are_stored_within_defer_s_and_at_flush(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "DEFER_S", 0.05)
+    path = rank_path(str(tmp_path), 0)
+    writer = StoreWriter(create_store(path), 0)
+    writer.start()
+    for message in _sampler_messages(3):
+        writer.put(message)
+    _until(lambda: _count(path, "nvlink_metrics") == 3)
+    monkeypatch.setattr(writer_module, "DEFER_S", 60.0)
+    time.sleep(0.1)                                          # (the writer's next wait is long)
+    for message in list(_sampler_messages(5))[2:]:
+        writer.put(message)
+    assert writer.flush(timeout=30)                          # put before it: committed
+    assert _count(path, "nvlink_metrics") == 8
+    assert writer.close(timeout=30) and writer.failed is None
