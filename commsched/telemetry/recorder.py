@@ -82,21 +82,23 @@ class Recorder(Observer):
         self.disabled_reason = reason
 
     # --- Observer ----------------------------------------------------------------------------
+    # Where the application marks its iterations (step()), its step markers alone wake the
+    # writer (see writer.py): one wake-up per iteration.
     def on_chunk(self, record: ChunkRecord) -> None:
         """A chunk step finished (completion thread or end of iteration): enqueue it."""
         if self._enabled:
-            self._writer.put(record)
+            self._writer.put(record, wake=not self._steps)
 
     def on_chunks(self, records: List[ChunkRecord]) -> None:
         """Chunk steps that finished together (completion thread or end of iteration): one
         enqueue."""
         if self._enabled:
-            self._writer.put(records)
+            self._writer.put(records, wake=not self._steps)
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (training thread): enqueue it."""
         if self._enabled:
-            self._writer.put(record)
+            self._writer.put(record, wake=not self._steps)
             if self._nvtx:
                 nvtx_ranges.mark(f"commsched flush {record.lane} iteration {record.iteration}")
 

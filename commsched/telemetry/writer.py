@@ -2,10 +2,12 @@
 
 Producers (completion thread, training thread, sampler thread) only ``put`` messages on a
 queue. Each message that wakes the writer takes the GIL, during backward from autograd's
-thread; so only the messages that may complete or end an iteration wake it (chunk
-records, iteration records, step markers, flush and close). The sampler's (NVLink samples,
-link health, NVML status) and tuning decisions wait in a deque for the next wake-up, at
-most ``DEFER_S``. The writer batches rows into transactions and commits
+thread; so only the messages that may complete or end an iteration wake it: chunk records
+and iteration records (where the application marks its iterations with ``step()``, only
+its step markers), flush and close. The others (the sampler's NVLink samples, link health
+and NVML status; tuning decisions; chunk and iteration records of an application that
+marks steps) wait in a deque for the next wake-up, at most ``DEFER_S``. The writer
+batches rows into transactions and commits
 
 * at once after an iteration record (on CUDA once the device got to its flush: see
   ``device_clock``), a step marker or an iteration whose communication
@@ -128,9 +130,11 @@ class StoreWriter:
         self._mark_poll_s = MARK_POLL_S
 
     # --- producer side -----------------------------------------------------------------------
-    def put(self, message: object) -> None:
-        if type(message) in _DEFERRED:
-            self._later.append(message)       # (no wake-up: see the module docstring)
+    def put(self, message: object, wake: bool = True) -> None:
+        """Hand ``message`` to the writer thread. ``wake=False``, and for the sampler's
+        messages: no wake-up, it waits for the next one (at most ``DEFER_S``)."""
+        if not wake or type(message) in _DEFERRED:
+            self._later.append(message)       # (see the module docstring)
         else:
             self._q.put(message)
 

@@ -66,3 +66,34 @@ def test_samples_alone_are_stored_within_defer_s_and_at_flush(tmp_path, monkeypa
     assert writer.flush(timeout=30)                          # put before it: committed
     assert _count(path, "nvlink_metrics") == 8
     assert writer.close(timeout=30) and writer.failed is None
+
+
+def test_where_the_application_marks_steps_only_its_steps_wake_the_writer(tmp_path,
+                                                                         monkeypatch):
+    """Before the first step() a lane's chunk and iteration records wake the writer (an
+    application that marks no steps); after it, one wake-up per iteration, and every
+    record is stored at the step that follows it."""
+    from commsched.config import Config
+    from commsched.telemetry import load_run, open_recorder
+
+    from .helpers import chunk, iteration
+
+    monkeypatch.setattr(writer_module, "DEFER_S", 60.0)
+    rec = open_recorder(Config(telemetry_dir=str(tmp_path)), rank=0, world_size=1,
+                        nvml_period_ms=0)
+    writer = rec._writer
+    for k in range(5):
+        b = T0 + k * 100 * MS
+        rec.on_chunks([chunk(iteration=k, start=b + 20 * MS, end=b + 30 * MS,
+                             submit=b + 10 * MS)])
+        rec.on_iteration(iteration(iteration=k, first_submit=b + 10 * MS, flush=b + 40 * MS))
+        rec.step()
+    _until(lambda: writer.wakeups >= 7)
+    time.sleep(0.2)
+    assert writer.wakeups == 3 + 4          # iteration 0: three messages; then the steps
+    path = rank_path(str(tmp_path), 0)
+    _until(lambda: _count(path, "app_steps") == 5)
+    assert _count(path, "iterations") == 5 and _count(path, "comm_ops") == 5
+    rec.close()
+    run = load_run(str(tmp_path))
+    assert [i["complete"] for i in run.iterations] == [1] * 5
