@@ -84,9 +84,11 @@ _SQL["intra_node_topo"] = _insert_sql("intra_node_topo", "INSERT OR REPLACE")
 # not got there, and a flush or close waits up to MARK_WAIT_S for it. Each look takes the
 # GIL from the training thread, and where the host runs far ahead of a busy GPU the mark
 # is reached tens of milliseconds later: a fixed short interval would take it dozens of
-# times per iteration. The interval decides when the record is stored, not its times.
-MARK_POLL_S = 0.002
-MARK_POLL_MAX_S = 0.032
+# times per iteration. It also looks whenever an iteration record is stored, which
+# (steps marked) is at each step. The interval decides when the record is stored, not
+# its times.
+MARK_POLL_S = 0.016
+MARK_POLL_MAX_S = 0.128
 # The longest a message that does not wake the writer waits (see the module docstring);
 # also the writer's longest sleep.
 DEFER_S = 0.25

@@ -92,7 +92,7 @@ def test_records_wait_in_order_for_a_mark_the_device_reaches_later(tmp_path):
                 return got
 
     # Iteration 1's record waits behind iteration 0's, whose mark is not reached yet. The
-    # writer looks at it less and less often, from 2 ms to one look per MARK_POLL_MAX_S
+    # writer looks at it less and less often, up to one look per MARK_POLL_MAX_S
     # (each look takes the GIL from a training thread): not one every 2 ms.
     assert all(t is None for t in flushes().values())
     waited = time.monotonic() - t_start
