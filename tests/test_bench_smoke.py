@@ -32,7 +32,8 @@ HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only",
 ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound",
              "ddp_python_hook", "ddp_min_hook", "ddp_min_hook_join", "ddp_min_hook_join_div",
              "ddp_commsched", "ddp_commsched_sum", "ddp_commsched_large", "ddp_commsched_route",
-             "ddp_commsched_telemetry", "ddp_commsched_telemetry_sums",
+             "ddp_commsched_telemetry", "ddp_commsched_telemetry_step",
+             "ddp_commsched_telemetry_sums",
              "ddp_commsched_telemetry_nonvml", "ddp_commsched_timed", "ddp_commsched_autotune",
              "ddp_commsched_route_fifo", "ddp_commsched_thread", "commsched_dp",
              "commsched_dp_unbounded", "commsched_dp_zero", "commsched_dp_g4",
@@ -191,7 +192,7 @@ def test_harness_removes_the_temporary_telemetry_of_its_modes(harness_run, harne
     proc, document = harness_run
     assert proc.returncode == 0, explain(proc)
     modes = document["launches"][0]["runs"][0]["modes"]
-    recorded = ("ddp_commsched_telemetry", "ddp_commsched_autotune")
+    recorded = ("ddp_commsched_telemetry", "ddp_commsched_telemetry_step", "ddp_commsched_autotune")
     assert all(modes[name]["status"] == "ok" for name in recorded), explain(proc)
     assert sorted(p.name for p in harness_tmpdir.glob("commsched-bench-*")) == []
 

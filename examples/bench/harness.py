@@ -670,9 +670,12 @@ def run_comm_only(bench: Bench) -> Dict[str, Any]:
             "total_bytes": sum(bucket_bytes)}
 
 
-def run_ddp_commsched(bench: Bench, observer=None, **overrides) -> Dict[str, Any]:
+def run_ddp_commsched(bench: Bench, observer=None, mark_steps: bool = False,
+                      **overrides) -> Dict[str, Any]:
     """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset);
-    ``observer`` replaces the telemetry recorder."""
+    ``observer`` replaces the telemetry recorder; ``mark_steps``: the loop calls
+    ``commsched.step()`` after each step, as a custom training loop marks its iterations
+    for telemetry."""
     commsched = benchlib.import_commsched()
     hooks = benchlib.import_commsched_hooks()
     config = commsched.Config.from_env().replace(enabled=True, **overrides)
@@ -680,6 +683,12 @@ def run_ddp_commsched(bench: Bench, observer=None, **overrides) -> Dict[str, Any
     state = hooks.register(model, config=config, observer=observer)
     try:
         step = bench.train_step(model, bench.optimizer(model.parameters()))
+        if mark_steps:
+            train_step, mark = step, commsched.step
+
+            def step() -> None:
+                train_step()
+                mark()
         times = bench.time(step)
     finally:
         close_quietly(state, getattr(state, "recorder", None))
@@ -848,6 +857,11 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_telemetry", "5e as 5, with telemetry and NVLink sampling",
          lambda bench: run_ddp_commsched(
              bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry"))),
+    Mode("ddp_commsched_telemetry_step", "5s as 5e, the loop marks its steps "
+         "(commsched.step())",
+         lambda bench: run_ddp_commsched(
+             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_step"),
+             mark_steps=True)),
     Mode("ddp_commsched_telemetry_sums", "5e' as 5e, NVLink counters summed over links only",
          lambda bench: run_ddp_commsched(
              bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_sums"),
