@@ -11,7 +11,8 @@ batches rows into transactions and commits
 
 * at once after an iteration record (on CUDA once the device got to its flush: see
   ``device_clock``), a step marker or an iteration whose communication
-  finished (so a SIGKILLed process leaves every completed iteration in the store),
+  finished (so a SIGKILLed process leaves every completed iteration in the store, up to
+  its last step where the application marks steps),
 * otherwise every ``commit_interval_s`` (0.1 s) or ``batch_rows`` rows, whichever first.
 
 On a write error (disk full, file removed, size cap reached) it warns once, tells the
