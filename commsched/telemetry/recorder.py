@@ -60,6 +60,7 @@ class Recorder(Observer):
         self._close_lock = threading.Lock()
         self._steps = 0
         self._nvtx_range = None
+        self._reporting_thread: Optional[int] = None    # the thread reporting iterations
 
     @property
     def enabled(self) -> bool:
@@ -82,22 +83,30 @@ class Recorder(Observer):
         self.disabled_reason = reason
 
     # --- Observer ----------------------------------------------------------------------------
-    # Where the application marks its iterations (step()), its step markers alone wake the
-    # writer (see writer.py): one wake-up per iteration.
+    # One writer wake-up per iteration (see writer.py): where the application marks its
+    # iterations (step()), its step markers alone wake the writer; otherwise the iteration
+    # records do, and the chunk records that the thread reporting them completes (at its
+    # end of iteration, just before the record) wait for it. Chunk records from another
+    # thread (a completion thread) wake the writer: their iteration's communication may
+    # have just finished.
+    def _wakes(self) -> bool:
+        return not self._steps and threading.get_ident() != self._reporting_thread
+
     def on_chunk(self, record: ChunkRecord) -> None:
         """A chunk step finished (completion thread or end of iteration): enqueue it."""
         if self._enabled:
-            self._writer.put(record, wake=not self._steps)
+            self._writer.put(record, wake=self._wakes())
 
     def on_chunks(self, records: List[ChunkRecord]) -> None:
         """Chunk steps that finished together (completion thread or end of iteration): one
         enqueue."""
         if self._enabled:
-            self._writer.put(records, wake=not self._steps)
+            self._writer.put(records, wake=self._wakes())
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (training thread): enqueue it."""
         if self._enabled:
+            self._reporting_thread = threading.get_ident()
             self._writer.put(record, wake=not self._steps)
             if self._nvtx:
                 nvtx_ranges.mark(f"commsched flush {record.lane} iteration {record.iteration}")

@@ -2,12 +2,14 @@
 
 Producers (completion thread, training thread, sampler thread) only ``put`` messages on a
 queue. Each message that wakes the writer takes the GIL, during backward from autograd's
-thread; so only the messages that may complete or end an iteration wake it: chunk records
-and iteration records (where the application marks its iterations with ``step()``, only
-its step markers), flush and close. The others (the sampler's NVLink samples, link health
-and NVML status; tuning decisions; chunk and iteration records of an application that
-marks steps) wait in a deque for the next wake-up, at most ``DEFER_S``. The writer
-batches rows into transactions and commits
+thread; so only the messages that may complete or end an iteration wake it: iteration
+records and chunk records from a completion thread (where the application marks its
+iterations with ``step()``, only its step markers), flush and close. The others (the
+sampler's NVLink samples, link health and NVML status; tuning decisions; chunk records
+the training thread hands over before its iteration record; chunk and iteration records
+of an application that marks steps) wait in a deque for the next wake-up, at most
+``DEFER_S`` (the recorder decides, see ``Recorder.on_chunks``). The writer batches rows
+into transactions and commits
 
 * at once after an iteration record (on CUDA once the device got to its flush: see
   ``device_clock``), a step marker or an iteration whose communication

@@ -97,3 +97,44 @@ def test_where_the_application_marks_steps_only_its_steps_wake_the_writer(tmp_pa
     rec.close()
     run = load_run(str(tmp_path))
     assert [i["complete"] for i in run.iterations] == [1] * 5
+
+
+def test_without_steps_the_iteration_record_wakes_the_writer_for_its_chunks(tmp_path,
+                                                                           monkeypatch):
+    """No step() (the DDP hook user's loop): the chunk records the training thread
+    completes at its end of iteration wait for the iteration record that follows them;
+    chunk records from another thread (a completion thread) wake the writer."""
+    import threading
+
+    from commsched.config import Config
+    from commsched.telemetry import load_run, open_recorder
+
+    from .helpers import chunk, iteration
+
+    monkeypatch.setattr(writer_module, "DEFER_S", 60.0)
+    rec = open_recorder(Config(telemetry_dir=str(tmp_path)), rank=0, world_size=1,
+                        nvml_period_ms=0)
+    writer = rec._writer
+    path = rank_path(str(tmp_path), 0)
+    for k in range(3):
+        b = T0 + k * 100 * MS
+        rec.on_chunks([chunk(iteration=k, start=b + 20 * MS, end=b + 30 * MS,
+                             submit=b + 10 * MS)])
+        rec.on_iteration(iteration(iteration=k, first_submit=b + 10 * MS, flush=b + 40 * MS))
+    # iteration 0's chunks came before any iteration record: they woke the writer
+    _until(lambda: writer.wakeups >= 4)
+    time.sleep(0.2)
+    assert writer.wakeups == 1 + 3
+    _until(lambda: _count(path, "comm_ops") == 3)
+    # iteration 3: its record first, its chunk (the tail) from a completion thread
+    b = T0 + 300 * MS
+    rec.on_iteration(iteration(iteration=3, first_submit=b + 10 * MS, flush=b + 40 * MS))
+    other = threading.Thread(target=rec.on_chunks, args=([chunk(
+        iteration=3, start=b + 20 * MS, end=b + 50 * MS, submit=b + 10 * MS)],))
+    other.start()
+    other.join()
+    _until(lambda: _count(path, "comm_ops") == 4)
+    assert writer.wakeups == 4 + 2           # the record, then the chunk: committed at once
+    rec.close()
+    run = load_run(str(tmp_path))
+    assert [i["complete"] for i in run.iterations] == [1] * 4
