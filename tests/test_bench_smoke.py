@@ -458,3 +458,31 @@ def test_a_hung_launch_prints_each_workers_stacks_before_it_is_terminated(capfd)
     # one rank's header, then its stack, then the next rank's: not interleaved
     first, second = err.index("rank 0 (pid"), err.index("rank 1 (pid")
     assert first < err.index("in _wait_forever") < second < err.rindex("in _wait_forever"), err
+
+
+def test_the_table_gives_each_training_mode_its_ratio_to_ddp_and_the_process_cpu():
+    """x DDP: the ratio of medians to DDP default in the same run, for training modes only
+    (not compute only, comm only or the bound); CPU ms/iter: rank 0's process CPU."""
+    by_name = {mode.name: mode for mode in harness.MODES}
+    modes = {}
+    for name, median, cpu in (("compute_only", 80.0, 50.0), ("comm_only", 10.0, 3.0),
+                              ("ddp_default", 100.0, 70.0), ("ddp_commsched", 97.0, 72.5)):
+        result = harness.empty_result(by_name[name], "ok", None)
+        result.update(median_ms=median, p10_ms=median - 1, p90_ms=median + 1,
+                      cpu_ms_per_iter={"process": cpu, "training_thread": cpu / 2})
+        if name == "comm_only":
+            result.update(total_bytes=1 << 20, buckets=1, bucket_source="DDP")
+        modes[name] = result
+    run = harness.finish_run({"regime": "host", "model": "gpt", "modes": modes,
+                              "items_per_step": 1024, "unit": "tokens"},
+                             [by_name[n] for n in (*modes, "bound")])
+    table = harness.results_table({"launches": [{"runs": [run]}]})
+    header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
+    rows = {cells[2]: cells for cells in
+            ([c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:])}
+    x_ddp, cpu = header.index("x DDP"), header.index("CPU ms/iter")
+    assert rows[by_name["ddp_commsched"].label][x_ddp] == "0.970"
+    assert rows[by_name["ddp_default"].label][x_ddp] == "1.000"
+    assert rows[by_name["compute_only"].label][x_ddp] == ""
+    assert rows[by_name["bound"].label][x_ddp] == ""
+    assert rows[by_name["ddp_commsched"].label][cpu] == "72.5"

@@ -1338,22 +1338,32 @@ def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
 def results_table(document: Dict[str, Any]) -> str:
     """The markdown table of every run and mode."""
     headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "x bound",
-               "steady ms", "steady x bound", "throughput", "peak GiB", "note"]
+               "x DDP", "steady ms", "steady x bound", "throughput", "peak GiB",
+               "CPU ms/iter", "note"]
     rows = []
     for launch in document["launches"]:
         for run in launch["runs"]:
+            ddp = (run["modes"].get("ddp_default") or {}).get("median_ms")
             for result in run["modes"].values():
                 if result["status"] == "n/a" and result["reason"] == NOT_SELECTED:
                     continue  # in the JSON; the table keeps to what was asked for
+                to_ddp = (result["median_ms"] / ddp if ddp and result["median_ms"]
+                          and result["name"] not in _NOT_TRAINING else None)
+                cpu = (result.get("cpu_ms_per_iter") or {}).get("process")
                 rows.append([run["regime"], run["model"], result["label"],
                              fmt(result["median_ms"], 2), _spread(result),
-                             fmt(result["ratio_to_bound"], 2),
+                             fmt(result["ratio_to_bound"], 2), fmt(to_ddp, 3),
                              fmt(result.get("steady_median_ms"), 2),
                              fmt(result.get("steady_ratio_to_bound"), 2), _throughput(result),
                              None if not result["peak_mem_bytes"]
                              else fmt(result["peak_mem_bytes"] / 2**30, 2),
-                             _note(result)])
+                             fmt(cpu, 1), _note(result)])
     return benchlib.markdown_table(headers, rows)
+
+
+# Rows that are not a training step (no ratio to DDP): compute alone, communication alone
+# and their bound.
+_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "bound"))
 
 
 def _spread(result: Dict[str, Any]) -> Optional[str]:
