@@ -432,3 +432,24 @@ def test_without_a_stock_launch_rounds_starting_with_opposite_variants_compare_l
                                   _interleaved_round(2, "stock", [])],
                                  skip=3)["host/distopt_overlap"]
     assert row["losses_equal"] is False
+
+
+def test_peak_memory_is_the_largest_max_allocated_of_the_memory_reports():
+    """Megatron reports memory after its first logged iterations: the real excerpt's
+    largest 'max allocated' (MiB); a log without a report gives None, and the table a
+    blank."""
+    assert megatron_e2e.peak_memory_mib(open(LOG).read()) == pytest.approx(28679.05)
+    assert megatron_e2e.peak_memory_mib("iteration 1/ 2 | lm loss: 1.0 |") is None
+    iterations = list(range(1, 5))
+
+    def run(ms, peak):
+        return {"error": None, "iterations": iterations, "ms": ms, "loss": [1.0] * 4,
+                "peak_mib": peak}
+    summary = megatron_e2e.summarize([{"regime": "nvlink", "setting": "no_overlap",
+                                       "round": 1, "stock": run([900.0, 200, 200, 200], 27000.0),
+                                       "patched": run([900.0, 201, 201, 201], 27136.0)}],
+                                     skip=1)
+    assert "| stock 26.4, patched 26.5 |" in megatron_e2e.table(summary)
+    summary["nvlink/no_overlap"].pop("stock_peak_mib")
+    summary["nvlink/no_overlap"].pop("patched_peak_mib")
+    assert "| patched 26.5 |" not in megatron_e2e.table(summary)

@@ -34,7 +34,8 @@ Reported per regime and setting: the median over rounds of each run's mean time 
 iteration after ``--skip`` iterations (with the rounds' spread), patched / stock (and
 launcher / stock), each round's own patched / stock (its two runs ran minutes apart), the
 same ratio of the median logged interval of all rounds pooled (``--log-interval 1``: of
-the median iteration), and whether the losses were identical at
+the median iteration), each variant's peak memory (the largest "max allocated" of
+Megatron's memory reports, any rank and round), and whether the losses were identical at
 every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
 pretrain_gpt.py arguments with ``--megatron-args``). commsched is put
@@ -86,6 +87,8 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
 _TIME = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9]+(?:\.[0-9]*)?)")
 _LOSS = re.compile(r"\blm loss:\s*([-+0-9.Ee]+)\s*\|")
 _STAMP = re.compile(r"^\s*\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]")
+# Megatron's report_memory line (after the first logged iterations), per rank
+_MEMORY = re.compile(r"memory \(MB\).*?\bmax allocated:\s*([0-9]+(?:\.[0-9]*)?)")
 
 
 class MegatronLog(NamedTuple):
@@ -117,6 +120,14 @@ def parse_megatron_log(text: str) -> MegatronLog:
         raise ValueError("no Megatron-LM training log line with 'iteration N/M', 'elapsed "
                          "time per iteration (ms)' and 'lm loss'")
     return MegatronLog(iterations, ms, loss, times)
+
+
+def peak_memory_mib(text: str) -> Optional[float]:
+    """The largest "max allocated" (MiB, ``torch.cuda.max_memory_allocated``) any rank's
+    memory report in the log gives, or None without one. Megatron reports it after the
+    first logged iterations, the first optimizer steps included."""
+    values = [float(m.group(1)) for m in _MEMORY.finditer(text)]
+    return max(values) if values else None
 
 
 def _cpu_at(series: List[tuple], t: float) -> int:
@@ -301,7 +312,8 @@ def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
     result: Dict[str, object] = {"log": str(log_path), "rc": rc, "error": None}
     try:
         log = parse_megatron_log(text)
-        result.update(iterations=log.iterations, ms=log.ms, loss=log.loss)
+        result.update(iterations=log.iterations, ms=log.ms, loss=log.loss,
+                      peak_mib=peak_memory_mib(text))
         if env.get("BENCH_THREAD_CPU_DIR"):
             result["cpu"] = rank_cpu_per_iteration(
                 Path(env["BENCH_THREAD_CPU_DIR"]), 0, log, skip)
@@ -382,8 +394,12 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 row["losses_equal"] = False
             if result.get("cpu"):
                 row.setdefault(f"{name}_cpu_ms", []).append(result["cpu"]["process_ms"])
+            if result.get("peak_mib"):
+                row.setdefault(f"{name}_peak_mib", []).append(result["peak_mib"])
         interleaved = run.get("interleaved")
         if interleaved is not None:
+            if interleaved.get("peak_mib"):
+                row.setdefault("interleaved_peak_mib", []).append(interleaved["peak_mib"])
             if stock is None and not interleaved["error"]:
                 row.setdefault("_interleaved_losses", {}).setdefault(
                     interleaved["interleave"]["first"], []).append(interleaved.get("loss"))
@@ -475,6 +491,11 @@ def table(summary: Dict[str, object]) -> str:
         def cpu_cell(name):
             value = row.get(f"{name}_cpu_median_ms")
             return None if value is None else f"{value:.1f}"
+
+        def peak_cell():
+            peaks = [f"{name} {max(row[f'{name}_peak_mib']) / 1024:.1f}"
+                     for name in ALL_VARIANTS if row.get(f"{name}_peak_mib")]
+            return ", ".join(peaks) or None
         extra = [cell("launcher"), ratio("launcher_ratio"),
                  ratio("launcher_ratio_interval_median")] if launcher else []
         if cpu:
@@ -491,6 +512,7 @@ def table(summary: Dict[str, object]) -> str:
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
                      ratio("ratio_interval_median"), *extra,
+                     peak_cell(),
                      {True: "yes", False: "NO", None: "not compared"}[row["losses_equal"]]
                      + (" (opposite rounds)" if row.get("losses_compared", "").startswith(
                          "interleaved") else ""),
@@ -508,7 +530,7 @@ def table(summary: Dict[str, object]) -> str:
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
          "patched/stock per round", "patched/stock (median interval)", *extra,
-         "losses equal", "note"], rows)
+         "peak GiB (max allocated, any rank)", "losses equal", "note"], rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
