@@ -200,9 +200,7 @@ class StoreWriter:
                 continue
             if self.failed is not None:
                 continue        # disabled: drain so that producers never block
-            urgent = self._guarded(lambda: self._handle(msg))
-            if urgent or self._rows >= self.batch_rows:
-                self._guarded(self._commit)
+            self._commit_if(self._guarded(lambda: self._handle(msg)))
 
     def _drain_later(self) -> None:
         """Store the messages that did not wake the writer, in the order they came."""
@@ -212,6 +210,10 @@ class StoreWriter:
             msg = later.popleft()
             if self.failed is None:           # (disabled: dropped, as the queue's)
                 urgent = self._guarded(lambda: self._handle(msg)) or urgent
+        self._commit_if(urgent)
+
+    def _commit_if(self, urgent: bool) -> None:
+        """Commit after a message that asks for it, or once the batch is full."""
         if urgent or self._rows >= self.batch_rows:
             self._guarded(self._commit)
 

@@ -365,6 +365,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     iteration), ``interleaved_ratio`` (their median), the same of the pooled median
     iterations (``interleaved_ratio_median_iteration``) and the iterations compared."""
     out: Dict[str, object] = {}
+    # Without a stock launch: each row's interleaved losses by the variant they started with
+    opposite: Dict[str, Dict[str, list]] = {}
     for run in runs:
         key = f"{run['regime']}/{run['setting']}"
         row = out.setdefault(key, {"regime": run["regime"], "setting": run["setting"],
@@ -401,7 +403,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
             if interleaved.get("peak_mib"):
                 row.setdefault("interleaved_peak_mib", []).append(interleaved["peak_mib"])
             if stock is None and not interleaved["error"]:
-                row.setdefault("_interleaved_losses", {}).setdefault(
+                opposite.setdefault(key, {}).setdefault(
                     interleaved["interleave"]["first"], []).append(interleaved.get("loss"))
             if interleaved["error"]:
                 row["errors"].append(f"interleaved round {run['round']}: "
@@ -425,8 +427,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
         for name, ratio in (("patched", "ratio"), ("launcher", "launcher_ratio")):
             if "stock" in means and name in means:
                 row.setdefault(f"{ratio}_rounds", []).append(means[name] / means["stock"])
-    for row in out.values():
-        by_first = row.pop("_interleaved_losses", {})
+    for key, row in out.items():
+        by_first = opposite.get(key, {})
         if row["losses_equal"] is None and len(by_first) == 2:
             # Without a stock launch: rounds that start with opposite variants ran every
             # iteration with the other one, so equal losses mean equal training steps.
