@@ -29,12 +29,19 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["steps_for", "issue_step", "finish_chunk"]
+__all__ = ["steps_for", "issue_step", "finish_chunk", "all_reduce_options",
+           "reduce_scatter_options", "all_gather_options"]
 
 # torch >= 2.13 renamed the single-tensor forms and deprecates the old names (with a
 # warning on every call); older releases (the GPU image has 2.11) only have the old ones.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The process group's own methods for them, as ``group.allreduce`` for an all-reduce: the
+# ``dist`` functions add argument checks, a coalescing check and logging wrappers that cost
+# more than the rest of a whole request's dispatch.
+_PG = dist.ProcessGroup
+_pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
+_pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
 
 _STEPS = {
     ("all_reduce", "none"): ("all_reduce",),
@@ -84,6 +91,21 @@ def all_reduce_options(reduce_op, async_op: bool = True) -> "dist.AllreduceOptio
     return options
 
 
+def reduce_scatter_options(reduce_op) -> "dist.ReduceScatterOptions":
+    """Options of an asynchronous whole reduce-scatter, built once per lane and reduction."""
+    options = dist.ReduceScatterOptions()
+    options.reduceOp = reduce_op
+    options.asyncOp = True
+    return options
+
+
+def all_gather_options():
+    """Options of an asynchronous whole all-gather, built once per lane."""
+    options = dist.distributed_c10d.AllgatherOptions()
+    options.asyncOp = True
+    return options
+
+
 def issue_step(chunk, step: int):
     """Issue step ``step`` of ``chunk`` as an async collective; returns the work handle."""
     req = chunk.request
@@ -106,14 +128,14 @@ def issue_step(chunk, step: int):
     if req.op == "reduce_scatter":
         if whole:
             own = req.tensor.narrow(0, req.rank * chunk.numel, chunk.numel)
-            return _reduce_scatter_single(own, req.tensor, op=req.reduce_op, group=group,
-                                          async_op=True)
+            return _pg_reduce_scatter(group, own, req.tensor,
+                                      req.lane.scatter_options(req.reduce_op))
         pieces = chunk.shard_pieces()
         return dist.reduce_scatter(pieces[req.rank], pieces, op=req.reduce_op, group=group,
                                    async_op=True)
     if whole:
         own = req.tensor.narrow(0, req.rank * chunk.numel, chunk.numel)
-        return _all_gather_single(req.tensor, own, group=group, async_op=True)
+        return _pg_all_gather(group, req.tensor, own, req.lane.gather_options)
     pieces = chunk.shard_pieces()
     return dist.all_gather(pieces, pieces[req.rank], group=group, async_op=True)
 

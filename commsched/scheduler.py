@@ -106,7 +106,8 @@ from typing import Dict, Hashable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_options, finish_chunk, issue_step, parts_for, steps_for
+from .collectives import (all_gather_options, all_reduce_options, finish_chunk, issue_step,
+                          parts_for, reduce_scatter_options, steps_for)
 from .completion import _Completion, _InFlight
 from .config import DECOMPOSITIONS, Config
 from .errors import CommschedError
@@ -125,6 +126,8 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
 _ALL_REDUCE = steps_for("all_reduce", "none")
+# Whole reduce-scatters and all-gathers (Megatron's bucket groups): steps by op
+_SHARDED_STEPS = {op: steps_for(op, "none") for op in ("reduce_scatter", "all_gather")}
 
 
 class SchedulerError(CommschedError, RuntimeError):
@@ -577,6 +580,10 @@ class _Lane:
         self.sum_options = all_reduce_options(_SUM)
         self.avg_options = all_reduce_options(_AVG)
         self.sync_options: Dict[object, "dist.AllreduceOptions"] = {}     # asyncOp = False
+        self.scatter_sum_options = reduce_scatter_options(_SUM)
+        self.scatter_avg_options = reduce_scatter_options(_AVG)
+        self.more_scatter_options: Dict[object, "dist.ReduceScatterOptions"] = {}
+        self.gather_options = all_gather_options()
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
         self.timeout_s = self.config.timeout_s or _group_timeout(group, device)
@@ -631,6 +638,17 @@ class _Lane:
         options = self.options.get(reduce_op)
         if options is None:
             options = self.options[reduce_op] = all_reduce_options(reduce_op)
+        return options
+
+    def scatter_options(self, reduce_op) -> "dist.ReduceScatterOptions":
+        """A whole reduce-scatter's options (see ``reduce_options``)."""
+        if reduce_op is _SUM:
+            return self.scatter_sum_options
+        if reduce_op is _AVG:
+            return self.scatter_avg_options
+        options = self.more_scatter_options.get(reduce_op)
+        if options is None:
+            options = self.more_scatter_options[reduce_op] = reduce_scatter_options(reduce_op)
         return options
 
     # ---- submission (training thread) ----------------------------------------------------
@@ -1473,6 +1491,22 @@ class Scheduler:
                 req.synchronous = True
             numel = tensor.numel()
             req.chunks = [Chunk(req, 0, 0, numel, numel * tensor.element_size())]
+            req.remaining = 1
+            lane.add(req)
+            return req
+        if (lane is not None and lane.whole and not average and op in _SHARDED_STEPS
+                and decompose is None and partition_bytes is None and scale is None
+                and tensor.dim() == 1 and tensor.is_contiguous()
+                and tensor.get_device() == lane.device_index
+                and tensor.numel() % lane.world_size == 0):
+            # The same for a whole reduce-scatter or all-gather (Megatron's bucket groups):
+            # one chunk of each shard, the shard itself.
+            req = Request(key, tensor, op, lane, priority, reduce_op, "none",
+                          _SHARDED_STEPS[op], False)
+            req.synchronous = not async_op
+            numel = tensor.numel()
+            req.chunks = [Chunk(req, 0, 0, numel // lane.world_size,
+                                numel * tensor.element_size())]
             req.remaining = 1
             lane.add(req)
             return req
