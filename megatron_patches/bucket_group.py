@@ -121,18 +121,22 @@ class BucketGroupHandle:
 
 class _Member:
     """A registered bucket group: its index on its process group (creation order, the
-    same on every rank), the buffer segment it belongs to (for its layer position), and
-    why a phase cannot run through the scheduler (None: it can)."""
+    same on every rank), the buffer segment it belongs to (for its layer position), why a
+    phase cannot run through the scheduler (None: it can), and its requests' keys per
+    phase, one per bucket (see ``GroupState.key``)."""
 
-    __slots__ = ("state", "index", "segment", "ref", "reasons")
+    __slots__ = ("state", "index", "segment", "ref", "reasons", "keys")
 
     def __init__(self, state: "GroupState", index: int, segment: int, ref,
-                 reasons: Dict[str, Optional[str]]):
+                 reasons: Dict[str, Optional[str]], buckets: int):
         self.state = state
         self.index = index
         self.segment = segment
         self.ref = ref
         self.reasons = reasons
+        self.keys = {phase: [GroupState.key(self, bucket, buckets, phase)
+                             for bucket in range(buckets)]
+                     for phase in (GRAD_SYNC, PARAM_GATHER)}
 
 
 class GroupState:
@@ -157,7 +161,8 @@ class GroupState:
         data = bucket_group.buckets[0].grad_data
         root = data._base if data._base is not None else data
         segment = self._segments.setdefault(id(root), len(self._segments))
-        member = _Member(self, len(self.members), segment, None, reasons)
+        member = _Member(self, len(self.members), segment, None, reasons,
+                         len(bucket_group.buckets))
         member.ref = weakref.ref(bucket_group, self._forget)
         self.members.append(member)
         self._view = None
@@ -335,8 +340,7 @@ class Runtime:
         priority = max(natural, state.floor)
         reduce_op, scale = _reduction(average, state.group, tensors[0])
         requests = []
-        for bucket, tensor in enumerate(tensors):
-            key = state.key(member, bucket, len(tensors), phase)
+        for key, tensor in zip(member.keys[phase], tensors):
             requests.append(scheduler.submit(
                 tensor, key=key, priority=priority, op=op, group=state.group,
                 scale=scale, reduce_op=reduce_op, async_op=async_op))
@@ -499,6 +503,10 @@ def make_replacements(runtime: Runtime) -> Dict[str, Callable]:
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False):
         """Wait for the bucket group's all-gather (dispatching it first if it was not), then
         dispatch the next bucket group's, so that all-gathers run ahead of the forward."""
+        if self.param_gather_dispatched and self.param_gather_handle is None:
+            # Gathered and waited for already (the forward pre-hook calls this for every
+            # module): megatron's own method does nothing then either.
+            return
         member = runtime.member(self, PARAM_GATHER)
         if member is None:
             return runtime.call_original("finish_param_sync", self,
