@@ -122,11 +122,16 @@ class Config:
     Two rather than one: with one group in flight the link idles while the completion
     thread returns its credit and the next group is issued."""
 
-    policy: Policy = field(default="priority", metadata=_env("COMMSCHED_POLICY"))
+    policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY"))
     """Dispatch order: priority (a plan built from a profiled iteration: what the next
     forward needs first, where the link is measured to be busy; steps are timed only with
     telemetry, the tuner or a credit window, otherwise the plan is the order of readiness)
-    or fifo (the order requests are submitted)."""
+    or fifo (the order requests are submitted); unset: fifo for Megatron-LM's bucket
+    groups, priority elsewhere.
+
+    Megatron-LM submits its bucket groups' collectives in the order its own overlap issues
+    them, and a plan there measured slower than that order in every regime
+    (``benchmarks/megatron_gpt_24x1024_mb16_regimes_2xH100_2026-11-28.md``)."""
 
     plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD"))
     """Data-parallel mode with whole layer groups and policy priority, 0 or 1: 1 orders the
@@ -215,7 +220,8 @@ class Config:
                 _check_int(f.name, value, f.metadata["min"], f.metadata["max"])
             elif f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ConfigError(f"{f.name}={value!r}: expected True or False")
-        _check_choice("policy", self.policy, POLICIES)
+        if self.policy is not None:
+            _check_choice("policy", self.policy, POLICIES)
         _check_choice("decompose", self.decompose, DECOMPOSITIONS)
         _check_choice("dispatch", self.dispatch, DISPATCH_MODES)
         if self.dispatch == "thread" and self.autotune:
@@ -231,6 +237,11 @@ class Config:
     def replace(self, **changes) -> "Config":
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+    def with_policy(self, default: str) -> "Config":
+        """This config, with ``policy`` set to ``default`` where it is unset (each adapter
+        says what its default is; a ``Scheduler`` made with it unset plans: priority)."""
+        return self if self.policy is not None else self.replace(policy=default)
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "Config":

@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, port: int, args, config: Config) -> None:
         nparams = sum(p.numel() for p in model.parameters())
         print(f"commsched demo: {world} ranks, {args.backend}, {nparams / 1e6:.2f}M params, "
               f"partition {config.partition_bytes} B, credit {config.credit_bytes} B, "
-              f"policy {config.policy}, decompose {config.decompose}", flush=True)
+              f"policy {state.scheduler.config.policy}, decompose {config.decompose}", flush=True)
         print(f"{'iter':>4} {'loss':>10} {'ms':>8} {'chunks':>7} {'KiB':>9}", flush=True)
     previous = state.scheduler.stats(state.group)
     for it in range(args.iters):

@@ -1430,7 +1430,7 @@ class Scheduler:
         order while the rest still communicate (the data-parallel mode). With
         ``Config.plan_forward`` the priority plan then minimises the modelled end of that
         forward (:func:`commsched.plan.build_forward_plan`) where the requests go whole."""
-        self.config = config if config is not None else Config()
+        self.config = (config if config is not None else Config()).with_policy("priority")
         self.observer = observer
         self.trace_dispatch = trace_dispatch
         self.owns_groups = owns_groups

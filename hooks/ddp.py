@@ -49,7 +49,7 @@ class CommschedState:
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
-        config = config if config is not None else Config.from_env()
+        config = (config if config is not None else Config.from_env()).with_policy("priority")
         self.recorder = None
         if observer is None and scheduler is None and config.telemetry_dir:
             from commsched.telemetry import open_rank_recorder

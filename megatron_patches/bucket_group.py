@@ -30,10 +30,12 @@ A bucket group that submits the same phase twice before the iteration ended (a s
 gradient syncs did not all go through the scheduler) means that a new iteration began: the
 old one is ended first.
 
-Priorities and the plan. A priority plan dispatches an iteration's chunks in a fixed order
-and holds a chunk back until every request planned before it was submitted. That is safe
-only if the training thread never waits for a request while one planned ahead of it is
-still to come. Hence:
+Priorities and the plan. The scheduler's policy here is fifo unless ``COMMSCHED_POLICY``
+says otherwise (``Config.policy``): the requests go in the order megatron's own overlap
+would issue them. With ``COMMSCHED_POLICY=priority`` a plan dispatches an iteration's
+chunks in a fixed order and holds a chunk back until every request planned before it was
+submitted. That is safe only if the training thread never waits for a request while one
+planned ahead of it is still to come. Hence:
 
 - natural priority = layer position (the first layers first: the next forward needs them
   first), all-gathers before gradient syncs: ``position`` for an all-gather,
@@ -221,7 +223,7 @@ class Runtime:
 
     def __init__(self, config: Config, series: MegatronSeries, originals: Dict[str, Callable],
                  is_quantized: Callable, observer=None, version: str = "?"):
-        self.config = config
+        self.config = config.with_policy("fifo")
         self.version = version
         self.series = series
         self.features = series.features

@@ -158,3 +158,17 @@ def test_the_core_loads_no_telemetry_store_nvml_simulator_or_tuner():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_an_unset_policy_is_each_adapter_s_default():
+    assert Config().policy is None
+    assert Config.from_env({}).policy is None
+    assert Config.from_env({"COMMSCHED_POLICY": "fifo"}).policy == "fifo"
+    assert Config().with_policy("fifo").policy == "fifo"
+    assert Config(policy="priority").with_policy("fifo").policy == "priority"
+    from commsched import Scheduler
+    scheduler = Scheduler(Config())
+    try:
+        assert scheduler.config.policy == "priority"       # a Scheduler of its own plans
+    finally:
+        scheduler.close()

@@ -163,6 +163,7 @@ class OverlapEngine:
         forward. With every group issued as soon as it is ready, it queues on the device
         behind all the groups still running; under the window the later groups wait in the
         lane instead, where its priority puts it first."""
+        config = config.with_policy("priority")
         n = config.groups_in_flight
         if not self.windowed or not n or config.credit_bytes or config.autotune:
             return config

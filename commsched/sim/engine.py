@@ -146,7 +146,7 @@ class SimConfig:
         # (a run recorded before plan_forward existed used the greedy replay)
         return cls(int(get("partition_bytes", base.partition_bytes)),
                    int(get("credit_bytes", base.credit_bytes)),
-                   str(get("policy", base.policy)), str(get("decompose", base.decompose)),
+                   str(get("policy") or base.policy), str(get("decompose", base.decompose)),
                    int(world_size), bool(get("plan_forward", False)))
 
     def replace(self, **changes) -> "SimConfig":

@@ -237,7 +237,7 @@ def _recorded_plan_inputs(run: RecordedRun, chunks) -> Optional[tuple]:
     window, and the cost per byte measured over every chunk before (dispatch to
     completion, MAX over ranks). None when the run is fifo or that iteration was not
     recorded whole."""
-    if run.config.get("policy", "priority") != "priority" or not run.steady:
+    if (run.config.get("policy") or "priority") != "priority" or not run.steady:
         return None
     by_index = {it.iteration: it for it in run.iterations}
     first = min((it.iteration for it in run.iterations if it.planned), default=None)
@@ -372,7 +372,7 @@ def _steady(its: List[RecordedIteration], config: dict, notes: List[str]):
                        "recorded iterations)")
     modal = layouts.most_common(1)[0][0]
     steady = [it for it in its if it.layout == modal and it.measured_s is not None]
-    if config.get("policy", "priority") == "priority":
+    if (config.get("policy") or "priority") == "priority":
         planned = [it for it in steady if it.planned]
         if planned:
             steady = planned

@@ -146,6 +146,21 @@ def test_apply_replaces_the_methods_on_the_class_keeping_their_signatures():
     assert mp.is_applied()
 
 
+@pytest.mark.parametrize("policy, expected", [(None, "fifo"), ("priority", "priority"),
+                                               ("fifo", "fifo")])
+def test_the_bucket_groups_go_in_submission_order_unless_a_policy_is_set(policy, expected):
+    """Unset, the policy is fifo for Megatron (a plan measured slower there); a set one,
+    from the environment or the caller's Config, is kept."""
+    mp.apply(Config.from_env({} if policy is None else {"COMMSCHED_POLICY": policy}))
+    runtime = mp.current_runtime()
+    assert runtime.config.policy == expected
+    scheduler = runtime._scheduler(torch.device("cpu"))
+    try:
+        assert scheduler.config.policy == expected
+    finally:
+        runtime.close()
+
+
 def test_apply_twice_is_a_no_op():
     mp.apply(Config())
     first, runtime = _methods(), mp.current_runtime()
