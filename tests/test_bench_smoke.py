@@ -318,6 +318,26 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     assert {"aten::linear", "aten::embedding"} <= names, sorted(names)[:40]
 
 
+def test_dp_nccl_options_adds_its_modes_to_the_harness_and_says_na_without_nccl(tmp_path):
+    """examples/bench/dp_nccl_options.py: the harness with data-parallel modes whose own
+    process groups take NCCL options; in the spawned workers too (the modes ran there),
+    reported n/a with the reason on gloo, the harness's own mode measured beside them."""
+    out = tmp_path / "options.json"
+    proc = run_script("dp_nccl_options.py",
+                      ["--quick", "--cpu", "--model", "gpt", "--regime", "host", "--iters",
+                       str(ITERS), "--modes", "compute_only,commsched_dp_cta2,commsched_dp_hp",
+                       "--out", str(out), "--timeout", "150"], timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    modes = json.loads(out.read_text())["launches"][0]["runs"][0]["modes"]
+    assert modes["compute_only"]["status"] == "ok"
+    for name in ("commsched_dp_cta2", "commsched_dp_hp"):
+        assert modes[name]["status"] == "n/a", modes[name]
+        assert modes[name]["reason"] == "NCCL process-group options (needs GPUs)"
+    assert modes["commsched_dp_cta1"]["reason"] == harness.NOT_SELECTED
+    table = proc.stdout[proc.stdout.index("| regime |"):]
+    assert "| 6 as 6, NCCL max_ctas 2 on its own groups |" in table
+
+
 def test_harness_rejects_bad_options_naming_the_flag():
     for args, flag in ((["--world-size", "1"], "--world-size"), (["--rounds", "0"], "--rounds"),
                        (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
