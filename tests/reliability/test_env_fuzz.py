@@ -41,6 +41,15 @@ _FIELDS = {f.metadata["env"]: f for f in dataclasses.fields(Config)}
 _HINTS = typing.get_type_hints(Config)
 
 
+def _literal(var: str):
+    """The Literal type of a choice field (unwrapped from Optional), else None."""
+    hint = _HINTS[_FIELDS[var].name]
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    return hint if typing.get_origin(hint) is typing.Literal else None
+
+
 def kind_of(var: str) -> str:
     f = _FIELDS[var]
     t = str(f.type).replace("typing.", "")
@@ -54,14 +63,19 @@ def kind_of(var: str) -> str:
         return "float"
     if f.name.endswith(("_dir", "_path", "_file")):
         return "path"
-    if "str" in t or typing.get_origin(_HINTS[f.name]) is typing.Literal:
+    if _literal(var) is not None:
+        return "choice"
+    if "str" in t:
         return "choice"
     return "other"
 
 
 def choices_of(var: str) -> tuple:
-    """The accepted words of a choice variable: the config module's tuple holding its
-    default (POLICIES, DECOMPOSITIONS, ...)."""
+    """The accepted words of a choice variable: its Literal's, else the config module's
+    tuple holding its default (POLICIES, DECOMPOSITIONS, ...)."""
+    literal = _literal(var)
+    if literal is not None:
+        return typing.get_args(literal)
     default = _FIELDS[var].default
     for value in vars(config_module).values():
         if isinstance(value, tuple) and default in value and all(
@@ -81,7 +95,7 @@ def valid_value(var: str) -> str:
     if kind == "path":
         return "telemetry_run"
     if kind == "choice":
-        return f.default
+        return f.default if f.default is not None else choices_of(var)[0]
     return str(f.default)
 
 
