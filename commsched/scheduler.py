@@ -1473,43 +1473,35 @@ class Scheduler:
         if async_op is not True and async_op is not False:
             raise ValueError(f"async_op={async_op!r}: expected True or False")
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
-        if (lane is not None and lane.whole and op == "all_reduce" and decompose is None
-                and partition_bytes is None and scale is None and reduce_op is _SUM
-                and tensor.dim() == 1 and tensor.is_contiguous()
+        if (lane is not None and lane.whole and decompose is None and partition_bytes is None
+                and scale is None and tensor.dim() == 1 and tensor.is_contiguous()
                 and tensor.get_device() == lane.device_index):
-            # The common case, what the general path below does for it, spelled out: an
-            # all-reduce of the whole tensor (the lane's settings: no partitioning, no
+            # The common cases, what the general path below does for them, spelled out: a
+            # whole tensor in one chunk (the lane's settings: no partitioning, no
             # decomposition, no tuner).
-            if average:
-                if lane.kernel_average:
-                    reduce_op = _AVG
-                else:
-                    tensor.div_(lane.world_size)
-            req = Request(key, tensor, "all_reduce", lane, priority, reduce_op, "none",
-                          _ALL_REDUCE, False)
-            if not async_op:
-                req.synchronous = True
             numel = tensor.numel()
-            req.chunks = [Chunk(req, 0, 0, numel, numel * tensor.element_size())]
-            req.remaining = 1
-            lane.add(req)
-            return req
-        if (lane is not None and lane.whole and not average and op in _SHARDED_STEPS
-                and decompose is None and partition_bytes is None and scale is None
-                and tensor.dim() == 1 and tensor.is_contiguous()
-                and tensor.get_device() == lane.device_index
-                and tensor.numel() % lane.world_size == 0):
-            # The same for a whole reduce-scatter or all-gather (Megatron's bucket groups):
-            # one chunk of each shard, the shard itself.
-            req = Request(key, tensor, op, lane, priority, reduce_op, "none",
-                          _SHARDED_STEPS[op], False)
-            req.synchronous = not async_op
-            numel = tensor.numel()
-            req.chunks = [Chunk(req, 0, 0, numel // lane.world_size,
-                                numel * tensor.element_size())]
-            req.remaining = 1
-            lane.add(req)
-            return req
+            if op == "all_reduce" and reduce_op is _SUM:
+                if average:
+                    if lane.kernel_average:
+                        reduce_op = _AVG
+                    else:
+                        tensor.div_(lane.world_size)
+                req = Request(key, tensor, "all_reduce", lane, priority, reduce_op, "none",
+                              _ALL_REDUCE, False)
+                req.chunks = [Chunk(req, 0, 0, numel, numel * tensor.element_size())]
+            elif op in _SHARDED_STEPS and not average and numel % lane.world_size == 0:
+                # (Megatron's bucket groups: one chunk of each shard, the shard itself)
+                req = Request(key, tensor, op, lane, priority, reduce_op, "none",
+                              _SHARDED_STEPS[op], False)
+                req.chunks = [Chunk(req, 0, 0, numel // lane.world_size,
+                                    numel * tensor.element_size())]
+            else:
+                req = None
+            if req is not None:
+                req.synchronous = not async_op
+                req.remaining = 1
+                lane.add(req)
+                return req
         if op not in OPS:
             raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
         if tensor.dim() != 1 or not tensor.is_contiguous():
