@@ -884,6 +884,9 @@ MODES: List[Mode] = [
     Mode("commsched_dp_unbounded", "6e as 6, every layer group in flight at once "
          "(COMMSCHED_GROUPS_IN_FLIGHT=0)",
          lambda bench: run_commsched_dp(bench, groups_in_flight=0)),
+    Mode("commsched_dp_window1", "6w as 6, one layer group in flight "
+         "(COMMSCHED_GROUPS_IN_FLIGHT=1)",
+         lambda bench: run_commsched_dp(bench, groups_in_flight=1)),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
