@@ -579,6 +579,8 @@ class _Lane:
         self.options: Dict[object, "dist.AllreduceOptions"] = {}
         self.sum_options = all_reduce_options(_SUM)
         self.avg_options = all_reduce_options(_AVG)
+        self.sync_sum_options = all_reduce_options(_SUM, async_op=False)
+        self.sync_avg_options = all_reduce_options(_AVG, async_op=False)
         self.sync_options: Dict[object, "dist.AllreduceOptions"] = {}     # asyncOp = False
         self.scatter_sum_options = reduce_scatter_options(_SUM)
         self.scatter_avg_options = reduce_scatter_options(_AVG)
@@ -1074,9 +1076,16 @@ class _Lane:
         if newest is not None and newest is not completion.joined:
             newest.wait()
             completion.joined = newest
-        options = self.sync_options.get(req.reduce_op)
-        if options is None:
-            options = self.sync_options[req.reduce_op] = all_reduce_options(req.reduce_op,
+        reduce_op = req.reduce_op
+        # (SUM and AVG by identity first, as in reduce_options)
+        if reduce_op is _SUM:
+            options = self.sync_sum_options
+        elif reduce_op is _AVG:
+            options = self.sync_avg_options
+        else:
+            options = self.sync_options.get(reduce_op)
+            if options is None:
+                options = self.sync_options[reduce_op] = all_reduce_options(reduce_op,
                                                                             async_op=False)
         return req.group.allreduce([req.tensor], options)
 
