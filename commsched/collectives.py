@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["steps_for", "issue_step", "finish_chunk", "all_reduce_options",
-           "reduce_scatter_options", "all_gather_options"]
+           "reduce_scatter_options", "all_gather_options", "OptionsByOp"]
 
 # torch >= 2.13 renamed the single-tensor forms and deprecates the old names (with a
 # warning on every call); older releases (the GPU image has 2.11) only have the old ones.
@@ -40,6 +40,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # ``dist`` functions add argument checks, a coalescing check and logging wrappers that cost
 # more than the rest of a whole request's dispatch.
 _PG = dist.ProcessGroup
+_SUM = dist.ReduceOp.SUM
+_AVG = dist.ReduceOp.AVG
 _pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
 _pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
 
@@ -104,6 +106,30 @@ def all_gather_options():
     options = dist.distributed_c10d.AllgatherOptions()
     options.asyncOp = True
     return options
+
+
+class OptionsByOp:
+    """A collective's options per reduction, each built once (``build(reduce_op)``):
+    ``get(reduce_op)``. SUM and AVG are found by identity first, since hashing a ReduceOp
+    costs more than the rest of the lookup."""
+
+    __slots__ = ("build", "sum", "avg", "more")
+
+    def __init__(self, build):
+        self.build = build
+        self.sum = build(dist.ReduceOp.SUM)
+        self.avg = build(dist.ReduceOp.AVG)
+        self.more: dict = {}
+
+    def get(self, reduce_op):
+        if reduce_op is _SUM:
+            return self.sum
+        if reduce_op is _AVG:
+            return self.avg
+        options = self.more.get(reduce_op)
+        if options is None:
+            options = self.more[reduce_op] = self.build(reduce_op)
+        return options
 
 
 def issue_step(chunk, step: int):

@@ -106,8 +106,8 @@ from typing import Dict, Hashable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (all_gather_options, all_reduce_options, finish_chunk, issue_step,
-                          parts_for, reduce_scatter_options, steps_for)
+from .collectives import (OptionsByOp, all_gather_options, all_reduce_options, finish_chunk,
+                          issue_step, parts_for, reduce_scatter_options, steps_for)
 from .completion import _Completion, _InFlight
 from .config import DECOMPOSITIONS, Config
 from .errors import CommschedError
@@ -576,15 +576,13 @@ class _Lane:
         self.bytes_dispatched = 0
         self.peak_in_flight_bytes = 0
         self.last_iteration: Optional[IterationRecord] = None
-        self.options: Dict[object, "dist.AllreduceOptions"] = {}
-        self.sum_options = all_reduce_options(_SUM)
-        self.avg_options = all_reduce_options(_AVG)
-        self.sync_sum_options = all_reduce_options(_SUM, async_op=False)
-        self.sync_avg_options = all_reduce_options(_AVG, async_op=False)
-        self.sync_options: Dict[object, "dist.AllreduceOptions"] = {}     # asyncOp = False
-        self.scatter_sum_options = reduce_scatter_options(_SUM)
-        self.scatter_avg_options = reduce_scatter_options(_AVG)
-        self.more_scatter_options: Dict[object, "dist.ReduceScatterOptions"] = {}
+        # Collective options per reduction, built once per lane rather than per request:
+        # reduce_options(op), sync_reduce_options(op) (asyncOp = False),
+        # scatter_options(op) (whole reduce-scatters), gather_options.
+        self.reduce_options = OptionsByOp(all_reduce_options).get
+        self.sync_reduce_options = OptionsByOp(
+            lambda reduce_op: all_reduce_options(reduce_op, async_op=False)).get
+        self.scatter_options = OptionsByOp(reduce_scatter_options).get
         self.gather_options = all_gather_options()
         self.outstanding: Dict[int, Request] = {}     # submitted, future not yet resolved
         self.verify_queue: List[tuple] = []           # (iteration, crc, sequence) to check
@@ -630,28 +628,6 @@ class _Lane:
         # Config.dispatch="thread": a thread issues what the caller submits (_DispatchThread)
         self.inbox: Optional[_DispatchThread] = _DispatchThread(self) if threaded else None
         self.watchdog = _Watchdog(self)
-
-    def reduce_options(self, reduce_op) -> "dist.AllreduceOptions":
-        # (SUM and AVG by identity first: hashing a ReduceOp costs more than the rest)
-        if reduce_op is _SUM:
-            return self.sum_options
-        if reduce_op is _AVG:
-            return self.avg_options
-        options = self.options.get(reduce_op)
-        if options is None:
-            options = self.options[reduce_op] = all_reduce_options(reduce_op)
-        return options
-
-    def scatter_options(self, reduce_op) -> "dist.ReduceScatterOptions":
-        """A whole reduce-scatter's options (see ``reduce_options``)."""
-        if reduce_op is _SUM:
-            return self.scatter_sum_options
-        if reduce_op is _AVG:
-            return self.scatter_avg_options
-        options = self.more_scatter_options.get(reduce_op)
-        if options is None:
-            options = self.more_scatter_options[reduce_op] = reduce_scatter_options(reduce_op)
-        return options
 
     # ---- submission (training thread) ----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -1076,18 +1052,7 @@ class _Lane:
         if newest is not None and newest is not completion.joined:
             newest.wait()
             completion.joined = newest
-        reduce_op = req.reduce_op
-        # (SUM and AVG by identity first, as in reduce_options)
-        if reduce_op is _SUM:
-            options = self.sync_sum_options
-        elif reduce_op is _AVG:
-            options = self.sync_avg_options
-        else:
-            options = self.sync_options.get(reduce_op)
-            if options is None:
-                options = self.sync_options[reduce_op] = all_reduce_options(reduce_op,
-                                                                            async_op=False)
-        return req.group.allreduce([req.tensor], options)
+        return req.group.allreduce([req.tensor], self.sync_reduce_options(req.reduce_op))
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
         """Issue one step on CUDA; returns (start event, end event, work).
