@@ -112,3 +112,14 @@ def test_an_interleaved_megatron_launch_gives_its_iterations_median_and_deciles(
     assert rows[2][0].startswith("interleaved patched") and rows[2][1:] == (306.0, 302.0, 310.0)
     proc, out = _plot(tmp_path, [{"summary": summary}])
     assert proc.returncode == 0, proc.stderr
+
+
+def test_long_labels_keep_the_end_that_tells_sweep_modes_apart():
+    module = _module()
+    a = "6s data-parallel mode, partition off, credit 2 layer groups, groups 128M"
+    b = "6s data-parallel mode, partition off, credit 2 layer groups, groups 64M"
+    short_a, short_b = module._short_label(a), module._short_label(b)
+    assert len(short_a) == 60 and len(short_b) == 60
+    assert short_a.startswith("6s data-parallel") and short_a.endswith("groups 128M")
+    assert short_b.endswith("groups 64M")
+    assert module._short_label("4 DDP default (25 MiB buckets)") == "4 DDP default (25 MiB buckets)"

@@ -21,6 +21,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 
+def _short_label(label: str, width: int = 60) -> str:
+    """``label`` within ``width`` characters, keeping its end (where the sweeps' labels
+    differ)."""
+    if len(label) <= width:
+        return label
+    keep = (width - 3) // 2
+    return f"{label[:keep]}...{label[-(width - 3 - keep):]}"
+
+
 def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, float, float]]]:
     """(regime, model) -> [(mode label, median, p10, p90)], in file and table order; a
     mode measured in several files keeps its first measurement."""
@@ -75,7 +84,7 @@ def plot(data, output: Path) -> None:
         len(data[k]) for k in keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         rows = data[key]
-        labels = [label[:60] for label, *_ in rows]
+        labels = [_short_label(label) for label, *_ in rows]
         medians = [m for _, m, _, _ in rows]
         low = [m - p10 for _, m, p10, _ in rows]
         high = [p90 - m for _, m, _, p90 in rows]
