@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 import busbw  # noqa: E402
 
 SIZES = [128, 512, 2048, 8192]           # --min-bytes 128 --max-bytes 8K --factor 4
-PLAIN = ["nccl", "nccl_async", "pg", "pg_sync"]
+PLAIN = ["nccl", "nccl_async", "pg", "pg_sync", "pg_sync_deep"]
 SCHEDULED = ["none", "none_sync", "rs_ag", "hier", "leader", "auto"]   # commsched's
 VARIANTS = PLAIN + SCHEDULED
 WARMUP, ITERS = 1, 2
@@ -215,3 +215,24 @@ def test_merge_round_takes_the_median_and_adds_up_wrong_elements():
     assert row["time_us_max_rank"] == 21.0 and row["wrong"] == 3
     assert row["algbw_gbps"] == pytest.approx(0.05)
     assert row["busbw_gbps"] == pytest.approx(0.075)
+
+
+def test_pg_sync_deep_calls_the_process_group_from_deeper_in_the_stack(monkeypatch):
+    import inspect
+    import types
+
+    depths = []
+
+    class Group:
+        def allreduce(self, tensors, options):
+            depths.append((len(inspect.stack(0)), options.asyncOp))
+
+    fake = types.SimpleNamespace(AllreduceOptions=busbw.dist.AllreduceOptions,
+                                 group=types.SimpleNamespace(WORLD=Group()))
+    monkeypatch.setattr(busbw, "dist", fake)
+    tensor = busbw.torch.zeros(4)
+    busbw.PLAIN_OPS["pg_sync"]()(tensor)
+    busbw.PLAIN_OPS["pg_sync_deep"]()(tensor)
+    (shallow, shallow_async), (deep, deep_async) = depths
+    assert deep - shallow == busbw.DEEP_FRAMES == 4
+    assert shallow_async is False and deep_async is False

@@ -25,6 +25,10 @@ always), and runs each variant over every message size from ``--min-bytes`` to
            back, each work waited for after the window
   pg_sync  the same with ``AllreduceOptions.asyncOp = False``: synchronous, on NCCL run on
            the caller's stream with no work returned (the cheapest issue there is)
+  pg_sync_deep  ``pg_sync`` issued ``DEEP_FRAMES`` Python frames further down the stack,
+           as deep as commsched's synchronous path calls the process group: what the
+           stack's depth costs a collective (NCCL's flight recorder captures the Python
+           stack of every collective it records)
   none     commsched ``Scheduler``, one all_reduce per message
   none_sync  the same, each submitted with ``async_op=False`` (the caller waits at once):
            issued from ``submit``, on NCCL it runs on the caller's stream, as ``nccl``
@@ -116,6 +120,7 @@ VARIANTS: Dict[str, str] = {
     "nccl_async": "plain dist.all_reduce(async_op=True), waited after the window",
     "pg": "the process group's allreduce method, waited after the window",
     "pg_sync": "the process group's allreduce method, asyncOp=False",
+    "pg_sync_deep": "pg_sync from a deeper Python stack (commsched's depth)",
     "none": "commsched Scheduler, all_reduce",
     "none_sync": "commsched Scheduler, all_reduce with async_op=False",
     "rs_ag": "commsched, reduce_scatter + all_gather",
@@ -125,7 +130,10 @@ VARIANTS: Dict[str, str] = {
 }
 DEFAULT_VARIANTS = "nccl,none,rs_ag,hier,leader,auto"
 REFERENCE = "nccl"
-PLAIN = ("nccl", "nccl_async", "pg", "pg_sync")        # the variants without commsched
+PLAIN = ("nccl", "nccl_async", "pg", "pg_sync", "pg_sync_deep")  # without commsched
+# Python frames between Scheduler.submit and the process group's call on commsched's
+# synchronous path, less the one between the loop and the call in pg_sync
+DEEP_FRAMES = 4
 SYNC_OF = {"none_sync": "none"}             # async_op=False variants: their decomposition
 
 
@@ -207,19 +215,31 @@ class QueuedAllReduce(PlainAllReduce):
         works.clear()
 
 
-def group_all_reduce(synchronous: bool = False) -> QueuedAllReduce:
+def group_all_reduce(synchronous: bool = False, depth: int = 0) -> QueuedAllReduce:
     """The process group's own ``allreduce`` method; ``synchronous``: with ``asyncOp =
-    False`` (NCCL then runs the collective on the caller's stream and returns no work)."""
+    False`` (NCCL then runs the collective on the caller's stream and returns no work);
+    ``depth``: called that many Python frames further down the stack."""
     options = dist.AllreduceOptions()
     if synchronous:
         options.asyncOp = False
-    return QueuedAllReduce(lambda tensor: dist.group.WORLD.allreduce([tensor], options))
+    issue = lambda tensor: dist.group.WORLD.allreduce([tensor], options)  # noqa: E731
+    for _ in range(depth):
+        issue = _one_frame_above(issue)
+    return QueuedAllReduce(issue)
+
+
+def _one_frame_above(issue: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """``issue``, called from one more Python frame."""
+    def call(tensor: torch.Tensor):
+        return issue(tensor)
+    return call
 
 
 PLAIN_OPS: Dict[str, Callable[[], Any]] = {
     "nccl": PlainAllReduce,
     "nccl_async": lambda: QueuedAllReduce(lambda t: dist.all_reduce(t, async_op=True)),
-    "pg": group_all_reduce, "pg_sync": lambda: group_all_reduce(synchronous=True)}
+    "pg": group_all_reduce, "pg_sync": lambda: group_all_reduce(synchronous=True),
+    "pg_sync_deep": lambda: group_all_reduce(synchronous=True, depth=DEEP_FRAMES)}
 
 
 class CommschedAllReduce:
