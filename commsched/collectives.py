@@ -32,13 +32,11 @@ import torch.distributed as dist
 __all__ = ["steps_for", "issue_step", "finish_chunk", "all_reduce_options",
            "reduce_scatter_options", "all_gather_options", "OptionsByOp"]
 
-# torch >= 2.13 renamed the single-tensor forms and deprecates the old names (with a
-# warning on every call); older releases (the GPU image has 2.11) only have the old ones.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# The process group's own methods for them, as ``group.allreduce`` for an all-reduce: the
-# ``dist`` functions add argument checks, a coalescing check and logging wrappers that cost
-# more than the rest of a whole request's dispatch.
+# Single-tensor reduce-scatters and all-gathers go to the process group's own methods, as
+# all-reduces go to ``group.allreduce``: the ``dist`` functions add argument checks, a
+# coalescing check and logging wrappers that cost more than the rest of a request's
+# dispatch. torch >= 2.13 names them ``*_single`` (the old names warn there); older
+# releases (the GPU image has 2.11) only have the old ones.
 _PG = dist.ProcessGroup
 _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
@@ -117,8 +115,8 @@ class OptionsByOp:
 
     def __init__(self, build):
         self.build = build
-        self.sum = build(dist.ReduceOp.SUM)
-        self.avg = build(dist.ReduceOp.AVG)
+        self.sum = build(_SUM)
+        self.avg = build(_AVG)
         self.more: dict = {}
 
     def get(self, reduce_op):
@@ -148,8 +146,8 @@ def issue_step(chunk, step: int):
         shard = buf.numel() // req.world_size
         own = buf.narrow(0, req.rank * shard, shard)
         if name == "reduce_scatter":
-            return _reduce_scatter_single(own, buf, op=req.reduce_op, group=group, async_op=True)
-        return _all_gather_single(buf, own, group=group, async_op=True)
+            return _pg_reduce_scatter(group, own, buf, req.lane.scatter_options(req.reduce_op))
+        return _pg_all_gather(group, buf, own, req.lane.gather_options)
     whole = chunk.numel * req.world_size == req.tensor.numel()
     if req.op == "reduce_scatter":
         if whole:
@@ -182,10 +180,10 @@ def _issue_topology_step(chunk, name: str):
     shard = buf.numel() // topo.local_size
     own = buf.narrow(0, topo.local_rank * shard, shard)
     if op == "reduce_scatter":
-        return _reduce_scatter_single(own, buf, op=req.reduce_op, group=group, async_op=True)
+        return _pg_reduce_scatter(group, own, buf, req.lane.scatter_options(req.reduce_op))
     if op == "all_reduce":
         return dist.all_reduce(own, op=req.reduce_op, group=group, async_op=True)
-    return _all_gather_single(buf, own, group=group, async_op=True)
+    return _pg_all_gather(group, buf, own, req.lane.gather_options)
 
 
 def _rs_ag_buffer(chunk, parts: int = 0) -> torch.Tensor:

@@ -125,7 +125,8 @@ class _Member:
     """A registered bucket group: its index on its process group (creation order, the
     same on every rank), the buffer segment it belongs to (for its layer position), why a
     phase cannot run through the scheduler (None: it can), and its requests' keys per
-    phase, one per bucket (see ``GroupState.key``)."""
+    phase, one per bucket: ``bg3.grad``, ``bg3.b1.param``, unique within an iteration,
+    since a bucket group submitting a phase twice starts the next iteration."""
 
     __slots__ = ("state", "index", "segment", "ref", "reasons", "keys")
 
@@ -136,8 +137,8 @@ class _Member:
         self.segment = segment
         self.ref = ref
         self.reasons = reasons
-        self.keys = {phase: [GroupState.key(self, bucket, buckets, phase)
-                             for bucket in range(buckets)]
+        self.keys = {phase: [f"bg{index}.b{bucket}.{phase}" if buckets > 1
+                             else f"bg{index}.{phase}" for bucket in range(buckets)]
                      for phase in (GRAD_SYNC, PARAM_GATHER)}
 
 
@@ -200,12 +201,6 @@ class GroupState:
         """The training thread is about to wait: later requests must not be planned ahead
         of anything submitted so far."""
         self.floor = max(self.floor, self.max_priority)
-
-    @staticmethod
-    def key(member: _Member, bucket: int, nbuckets: int, phase: str) -> str:
-        """``bg3.grad``, ``bg3.b1.param``: unique within an iteration, since a bucket
-        group submitting a phase twice starts the next iteration."""
-        return f"bg{member.index}" + (f".b{bucket}" if nbuckets > 1 else "") + f".{phase}"
 
     def reset_scheduler_iteration(self) -> None:
         self.floor = 0

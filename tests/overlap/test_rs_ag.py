@@ -63,8 +63,7 @@ def test_rs_ag_collectives_go_whole_in_the_single_tensor_form(world1, monkeypatc
     for name in ("all_gather", "reduce_scatter"):
         monkeypatch.setattr(collectives.dist, name, counting(getattr(collectives.dist, name),
                                                              "list"))
-    for name in ("_all_gather_single", "_reduce_scatter_single", "_pg_all_gather",
-                 "_pg_reduce_scatter"):
+    for name in ("_pg_all_gather", "_pg_reduce_scatter"):
         monkeypatch.setattr(collectives, name, counting(getattr(collectives, name), "single"))
 
     chunks = []
