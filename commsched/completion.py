@@ -106,7 +106,7 @@ class _Completion:
         # the newest padded chunk's copy back ("copy"): what join() and seal() wait for.
         self.newest: Dict[object, object] = {}
         # The newest step of the lane's own group that the caller's stream waited for
-        # before a synchronous collective (lane._issue_synchronous); held no longer than
+        # before a synchronous collective (lane._synchronous_options); held no longer than
         # ``newest``.
         self.joined = None
         self.events: "collections.deque" = collections.deque()

@@ -43,7 +43,7 @@ iteration, or the completion thread when credit comes back. A request submitted 
 ``async_op=False`` (its caller waits at once) and issued on that path in a lane that
 completes batches goes as a synchronous collective: on NCCL in the caller's stream, after
 the lane's newest asynchronous collective, with nothing left for the lane to complete
-(``_Lane._issue_synchronous``).
+(``_Lane._synchronous_options``).
 
 Invariant 2 (completion means device completion): credit is returned, and gloo futures
 are resolved, by a completion thread per lane (completion.py) that blocks (GIL released) in
@@ -85,7 +85,7 @@ Who owns what. A lane's state is split along what it does, each piece with one o
 under the lane's one lock (bar the dispatch thread's queue): the lane (``_Lane``) owns the
 dispatch order (its iterations, the plan in force, the chunk being issued), the credit
 (bytes in flight), the requests not yet resolved and the lane's failure; it issues steps
-(``_issue``, ``_issue_direct``, ``_issue_cuda``) and settles completed ones
+(``_issue``, ``add``, ``_issue_cuda``) and settles completed ones
 (``_complete``). Each ``_Iteration`` owns its requests and dispatch cursor; the
 ``_Completion`` (completion.py) what was issued and not completed yet, the done stream,
 the CUDA events and clock that time it, and the completion thread; the
@@ -188,7 +188,7 @@ class Request:
         self.waited = False           # CPU: somebody waits for the future (see _urgent)
         self.at_once = False          # CUDA: every step issued from the submitter's stream
         # submit(async_op=False): issued at once, the collective runs on the caller's
-        # stream (see _Lane._issue_direct)
+        # stream (see _Lane.add)
         self.synchronous = False
 
     @property
@@ -602,7 +602,7 @@ class _Lane:
             from .autotune import Tuner       # (the tuner and its simulator load on demand)
 
             self.tuner = Tuner(self)
-        # No per-step work beyond issuing it: the hot path applies (_issue_at_once).
+        # No per-step work beyond issuing it: the hot path applies (_take_at_once).
         self.lean = not (self.trace_dispatch or self.verify or self.nvtx or self.tuner)
         # Requests go whole, as one all-reduce each, unless a request asks otherwise.
         self.whole = (self.lean and config.partition_bytes == 0
@@ -611,7 +611,7 @@ class _Lane:
         # CUDA events are timed when telemetry or the tuner needs device durations.
         self.timed = self.observer is not None or self.tuner is not None
         # CUDA, untimed, unbounded credit: steps issued at once go into completion batches
-        # with no per-step work at all (_issue_direct).
+        # with no per-step work at all (add, _issued_direct).
         self.batched = (self.cuda and self.lean and not self.timed
                         and not self.config.credit_bytes)
         # What was issued and not completed yet, and the thread that completes it; whether
@@ -641,7 +641,26 @@ class _Lane:
         with self.lock:
             if self.failure is not None:
                 raise self.failure
-            if self._issue_at_once(req):
+            if self._take_at_once(req):
+                chunk = req.chunks[0]
+                if self.batched:
+                    # The collective from this frame rather than a helper's: NCCL's flight
+                    # recorder captures the Python stack of every collective it records.
+                    if req.op != "all_reduce":
+                        work = issue_step(chunk, 0)
+                    elif req.synchronous:
+                        work = req.group.allreduce([req.tensor], self._synchronous_options(req))
+                    else:
+                        work = req.group.allreduce([req.tensor], req.reduce_options)
+                    self._issued_direct(req, chunk, work)
+                else:
+                    self.outstanding[id(req)] = req
+                    self._issue(chunk, 0)
+                it = self.current
+                plan = it.plan
+                if plan is not None and it.plan_pos < len(plan.order) and \
+                        plan.order[it.plan_pos][0] in it.by_key:
+                    self._pump()                  # requests the plan held for this one
                 dispatched = self._take_dispatched() if self.dispatched else None
             else:
                 self._take_in(req)
@@ -659,10 +678,11 @@ class _Lane:
         elif dispatched:
             self._resolve(dispatched)
 
-    def _issue_at_once(self, req: Request) -> bool:
-        """The hot path (lock held): ``req``, one chunk of one step, is what the order
-        issues next, with credit to spare and nothing else pending in the lane; take it in
-        and issue it, as ``_take_in`` and ``_pump`` would, without their search. False
+    def _take_at_once(self, req: Request) -> bool:
+        """The hot path (lock held): whether ``req``, one chunk of one step, is what the
+        order issues next, with credit to spare and nothing else pending in the lane; if
+        so, take it in and admit it, as ``_take_in`` and ``_pump`` would, without their
+        search, and (``batched``) stamp it as issued: the caller issues it next. False
         (nothing done) where any of that does not hold."""
         it = self.current
         if (not self.lean or it is None or self.cur_chunk is not None
@@ -691,13 +711,10 @@ class _Lane:
             it.plan_pos += 1
         self._admit(chunk)
         if self.batched:
-            self._issue_direct(req, chunk)
-        else:
-            self.outstanding[id(req)] = req
-            self._issue(chunk, 0)
-        if plan is not None and it.plan_pos < len(plan.order) and \
-                plan.order[it.plan_pos][0] in it.by_key:
-            self._pump()                      # requests the plan held for this one
+            chunk.t_dispatch_ns = time.time_ns()
+            req.chunks_issued = 1
+            req.issue_seq = self.requests_issued
+            self.requests_issued += 1
         return True
 
     def _mark_ready(self, req: Request) -> None:
@@ -1012,23 +1029,10 @@ class _Lane:
         else:
             completion.bound()
 
-    def _issue_direct(self, req: Request, chunk: Chunk) -> None:
-        """``_issue(chunk, 0)`` for a one-step, one-chunk request submitted by the caller,
-        in a lane whose steps nobody needs one by one (``batched``): the collective from
-        the caller's stream, the step into the open completion batch."""
-        completion = self.completion
-        chunk.t_dispatch_ns = time.time_ns()
-        req.chunks_issued = 1
-        req.issue_seq = self.requests_issued
-        self.requests_issued += 1
-        # (issue_step, spelled out for a whole all-reduce; resolved at once, as
-        # _take_dispatched would)
-        if req.op != "all_reduce":
-            work = issue_step(chunk, 0)
-        elif req.synchronous:
-            work = self._issue_synchronous(req)
-        else:
-            work = req.group.allreduce([req.tensor], req.reduce_options)
+    def _issued_direct(self, req: Request, chunk: Chunk, work) -> None:
+        """After ``add`` issued ``req``, one step of one chunk, in a lane whose steps
+        nobody needs one by one (``batched``): resolved at once (as _take_dispatched
+        would), the step into the open completion batch."""
         req.outcome = True
         if work is None:
             # Synchronous on NCCL: the collective is in the caller's stream, which orders
@@ -1036,23 +1040,24 @@ class _Lane:
             self.in_flight_bytes -= chunk.nbytes
             chunk.request = None
             return
+        completion = self.completion
         req.done_work = completion.newest[None] = work
         completion.batch(chunk, 0, True, work)
         completion.bound()
 
-    def _issue_synchronous(self, req: Request):
-        """A whole all-reduce with ``asyncOp = False``: on NCCL it runs on the caller's
-        current stream and no work comes back (None), as for a synchronous
-        ``dist.all_reduce``; a backend that ignores the flag returns a work, completed as
-        any other. The caller's stream first waits for the lane's newest asynchronous
-        collective, once: the two streams' collectives then run in issue order, as every
-        rank issues them."""
+    def _synchronous_options(self, req: Request):
+        """The options of a whole all-reduce issued with ``asyncOp = False``: on NCCL it
+        runs on the caller's current stream and no work comes back (None), as for a
+        synchronous ``dist.all_reduce``; a backend that ignores the flag returns a work,
+        completed as any other. The caller's stream first waits for the lane's newest
+        asynchronous collective, once: the two streams' collectives then run in issue
+        order, as every rank issues them."""
         completion = self.completion
         newest = completion.newest.get(None)
         if newest is not None and newest is not completion.joined:
             newest.wait()
             completion.joined = newest
-        return req.group.allreduce([req.tensor], self.sync_reduce_options(req.reduce_op))
+        return self.sync_reduce_options(req.reduce_op)
 
     def _issue_cuda(self, chunk: Chunk, step: int, last: bool):
         """Issue one step on CUDA; returns (start event, end event, work).
