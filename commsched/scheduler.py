@@ -652,7 +652,15 @@ class _Lane:
                         work = req.group.allreduce([req.tensor], self._synchronous_options(req))
                     else:
                         work = req.group.allreduce([req.tensor], req.reduce_options)
-                    self._issued_direct(req, chunk, work)
+                    if work is None:
+                        # Synchronous on NCCL: the collective is in the caller's stream,
+                        # which orders whatever the caller does next after it; the lane
+                        # has nothing to complete.
+                        req.outcome = True
+                        self.in_flight_bytes -= chunk.nbytes
+                        chunk.request = None
+                    else:
+                        self._issued_direct(req, chunk, work)
                 else:
                     self.outstanding[id(req)] = req
                     self._issue(chunk, 0)
@@ -684,10 +692,19 @@ class _Lane:
         so, take it in and admit it, as ``_take_in`` and ``_pump`` would, without their
         search, and (``batched``) stamp it as issued: the caller issues it next. False
         (nothing done) where any of that does not hold."""
+        if not self.lean or len(req.chunks) != 1 or len(req.steps) != 1:
+            return False
         it = self.current
-        if (not self.lean or it is None or self.cur_chunk is not None
-                or len(req.chunks) != 1 or len(req.steps) != 1
-                or self.iterations[0] is not it or not it.resolved or req.key in it.by_key):
+        if it is None:
+            if self.iterations or self.next_profile is not None:
+                return False                  # earlier iterations pending, or a new plan
+            # The first request of an iteration with nothing before it: the iteration is
+            # at the head of the order at once, with the plan in force (as _pump would
+            # resolve it: a lean lane has no tuner and no verification).
+            it = self._begin_iteration(req.t_submit_ns)
+            it.plan, it.resolved = self.plan, True
+        elif (self.cur_chunk is not None or self.iterations[0] is not it
+                or not it.resolved or req.key in it.by_key):
             return False
         chunk = req.chunks[0]
         credit = self.credit_bytes
@@ -1034,12 +1051,6 @@ class _Lane:
         nobody needs one by one (``batched``): resolved at once (as _take_dispatched
         would), the step into the open completion batch."""
         req.outcome = True
-        if work is None:
-            # Synchronous on NCCL: the collective is in the caller's stream, which orders
-            # whatever the caller does next after it; the lane has nothing to complete.
-            self.in_flight_bytes -= chunk.nbytes
-            chunk.request = None
-            return
         completion = self.completion
         req.done_work = completion.newest[None] = work
         completion.batch(chunk, 0, True, work)

@@ -159,9 +159,9 @@ def _cuda_paths(rank, world):
 def _synchronous_requests(rank, world):
     """submit(async_op=False) on a lane that issues whole requests at once: a request
     issued from submit() goes as a synchronous collective (no work: it is in the caller's
-    stream) and leaves nothing for the lane to complete; the first of an iteration, taken
-    in by the general path, and requests that ask for nothing go as before. Values equal
-    the plain sums in every mixture."""
+    stream) and leaves nothing for the lane to complete, the first of an iteration too
+    (nothing of the last one is left to issue); requests that ask for nothing go as
+    before. Values equal the plain sums in every mixture."""
     import fake_cuda
     fake_cuda.install()
     import commsched
@@ -177,8 +177,8 @@ def _synchronous_requests(rank, world):
         lane = sched._lanes[dist.group.WORLD]
         assert lane.batched
         for i, req in enumerate(reqs):
-            at_once = i > 0                     # (the first begins the iteration)
-            assert (req.done_work is None) == (at_once and not asynchronous[i]), (it, i)
+            assert req.at_once, (it, i)
+            assert (req.done_work is None) == (not asynchronous[i]), (it, i)
             assert req.synchronous == (not asynchronous[i])
         sched.end_iteration()
         for r, e in zip(reqs, expected):
