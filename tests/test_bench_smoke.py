@@ -424,6 +424,16 @@ def test_microbench_json_has_every_variant_with_a_number_or_a_reason(microbench_
             assert is_number(row["median_ms"]) and len(row["iter_ms"]) == 2
         else:
             assert row["reason"].strip()
+    hook = document["hook_overhead"]
+    assert [r["name"] for r in hook["rows"]] == ["allreduce_hook", "commsched_hook", "builtin"]
+    assert all(r["status"] == "ok" and is_number(r["us_per_step"]) for r in hook["rows"])
+    steps = {r["name"]: r["us_per_step"] for r in hook["rows"]}
+    # each added cost is the step-time difference spread over the buckets
+    assert hook["buckets"] >= 1
+    assert hook["added_us_per_bucket"] == pytest.approx(
+        (steps["commsched_hook"] - steps["allreduce_hook"]) / hook["buckets"])
+    assert hook["added_over_builtin_us_per_bucket"] == pytest.approx(
+        (steps["commsched_hook"] - steps["builtin"]) / hook["buckets"])
 
 
 # --- pieces the numbers depend on ---------------------------------------------------------

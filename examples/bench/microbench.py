@@ -23,7 +23,9 @@
     stack of small layers with one DDP bucket per layer, under PyTorch's own Python
     ``allreduce_hook`` and under the commsched hook (default Config), in interleaved
     blocks; reported: what the commsched hook adds per bucket (median step time difference
-    over the number of buckets; the target is at most 15 us).
+    over the number of buckets; the target is at most 15 us). A third row, DDP's built-in
+    C++ all-reduce (no hook, DDP's default), tells what any Python hook costs per bucket
+    over DDP itself (no target).
 
 Output: JSON (``--out``) and a markdown table printed last. Exit status 1 when a variant
 failed or a worker crashed/hung, else 0 (missing commsched APIs are "n/a", not failures).
@@ -344,10 +346,12 @@ def hook_overhead(settings: Settings) -> Dict[str, Any]:
     rows = [{"name": name, "label": label, "status": "ok", "reason": None,
              "us_per_step": None, "rounds_us_per_step": []}
             for name, label in (("allreduce_hook", "PyTorch allreduce_hook (Python)"),
-                                ("commsched_hook", "commsched hook, default Config"))]
+                                ("commsched_hook", "commsched hook, default Config"),
+                                ("builtin", "DDP's built-in all-reduce (C++, no hook)"))]
     doc: Dict[str, Any] = {"layers": HOOK_LAYERS, "width": HOOK_WIDTH, "batch": HOOK_BATCH,
                            "rounds": settings.hook_rounds, "rows": rows, "buckets": None,
-                           "added_us_per_bucket": None, "target_us": TARGET_HOOK_ADDED_US}
+                           "added_us_per_bucket": None, "target_us": TARGET_HOOK_ADDED_US,
+                           "added_over_builtin_us_per_bucket": None}
     if dist.get_rank() == 0:
         layer_bytes = (HOOK_WIDTH * HOOK_WIDTH + HOOK_WIDTH) * 4
         models, states = [], []
@@ -355,7 +359,7 @@ def hook_overhead(settings: Settings) -> Dict[str, Any]:
             model = DDP(layer_stack(), process_group=own, bucket_cap_mb=layer_bytes / 2**20)
             if row["name"] == "allreduce_hook":
                 model.register_comm_hook(own, default_hooks.allreduce_hook)
-            else:
+            elif row["name"] == "commsched_hook":
                 hooks = benchlib.import_commsched_hooks()
                 states.append(hooks.register(model, config=default_config(
                     benchlib.import_commsched())))
@@ -388,6 +392,8 @@ def hook_overhead(settings: Settings) -> Dict[str, Any]:
                 row["us_per_step"] = statistics.median(row["rounds_us_per_step"])
             doc["added_us_per_bucket"] = (
                 (rows[1]["us_per_step"] - rows[0]["us_per_step"]) / doc["buckets"])
+            doc["added_over_builtin_us_per_bucket"] = (
+                (rows[1]["us_per_step"] - rows[2]["us_per_step"]) / doc["buckets"])
     dist.barrier()
     return doc
 
@@ -455,6 +461,9 @@ def results_table(document: Dict[str, Any]) -> str:
             vs = f"{added:+.1f} us/bucket"
             target = hook_doc.get("target_us", TARGET_HOOK_ADDED_US)
             note = f"{'meets' if added <= target else 'ABOVE'} target <= {target:.0f} us added"
+            builtin = hook_doc.get("added_over_builtin_us_per_bucket")
+            if builtin is not None:
+                note += f"; {builtin:+.1f} us/bucket over DDP's built-in"
         rows.append([f"DDP hook, 1 rank, {hook_doc.get('buckets')} buckets (one per layer)",
                      row["label"], f"{row['us_per_step']:.0f} us/step" if ok else None, vs,
                      note if ok else _row_note(row)])
