@@ -122,6 +122,20 @@ class Config:
     Two rather than one: with one group in flight the link idles while the completion
     thread returns its credit and the next group is issued."""
 
+    sparse_embedding_rows: int = field(default=0, metadata=_env(
+        "COMMSCHED_SPARSE_EMBEDDING_ROWS", maximum=1 << 40))
+    """Data-parallel mode, decompose none: an ``nn.Embedding`` with at least this many rows
+    sends its lookup's gradient as the rows the batch touched (token ids and rows,
+    all-gathered at the end of backward) instead of in the first layers' dense
+    all-reduce, and a weight tied to an output layer has that layer's dense gradient
+    reduced as soon as backward produced it; 0: off. Every rank's backward must look up
+    as many tokens.
+
+    The gathered rows are world size x tokens per rank x width: they can pay only while
+    that is well under the embedding's rows x width. Values are DDP's sums, added in
+    another order (``commsched/overlap/sparse.py``). Off by default: no benchmark report
+    measures it yet."""
+
     policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY"))
     """Dispatch order: priority (a plan built from a profiled iteration: what the next
     forward needs first, where the link is measured to be busy; steps are timed only with

@@ -27,7 +27,8 @@ group with a higher index was submitted, as DDP's reducer does with bucket indic
 end of every backward (an autograd engine callback) the groups not submitted yet — those
 holding parameters unused on this rank — are submitted in the same order, with a zero
 contribution for the missing parameters. Every synchronised backward therefore submits all
-groups, in the same order, on every rank; only the timing differs.
+groups, in the same order, on every rank; only the timing differs. With embedding gradients
+as rows (sparse.py) their all-gathers follow, at the end of backward, in group order.
 
 Unused parameters (DDP with find_unused_parameters=True): each group buffer carries one
 usage flag per parameter after the gradients; it is reduced with them. A parameter that no
@@ -50,6 +51,7 @@ from commsched.scheduler import Scheduler
 from commsched.telemetry import open_rank_recorder
 
 from .groups import LayerGroup, build_groups, grad_view_class
+from .sparse import SparseSlot, find_sparse_embeddings
 from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subset,
                      update_mode)
 
@@ -88,8 +90,15 @@ class OverlapEngine:
         self.reads_grads = reads_grads
         self.mode = update_mode(optimizer)
         self.recorder = None
+        embeddings = find_sparse_embeddings(module, config.sparse_embedding_rows)
+        if embeddings and self.decompose != "none":
+            raise ValueError(
+                f"commsched.wrap: sparse_embedding_rows={config.sparse_embedding_rows} "
+                f"(COMMSCHED_SPARSE_EMBEDDING_ROWS) needs decompose='none', not "
+                f"{self.decompose!r}")
         self.groups, module_groups = build_groups(
-            module, config.group_bytes if group_bytes is None else group_bytes)
+            module, config.group_bytes if group_bytes is None else group_bytes,
+            {id(m.weight): tied for _, m, tied in embeddings})
         if not self.groups:
             raise ValueError("commsched.wrap: the model has no parameter that requires grad")
         devices = {g.device for g in self.groups}
@@ -153,6 +162,17 @@ class OverlapEngine:
         self._warned = set()
         self._hooks = []
         self._register_hooks(module_groups)
+        # Row gradients (sparse.py), in group order: their all-gathers go at the end of
+        # every backward, after the groups, in this order on every rank.
+        self.sparse_groups: List[LayerGroup] = []
+        for name, m, tied in embeddings:
+            g, _ = self.slot[next(i for i, p in enumerate(self.params) if p is m.weight)]
+            g.sparse = SparseSlot(name, m, tied)
+            if tied:
+                g.priority = -1         # backward's first, the next forward's first need
+            m.forward = g.sparse.lookup
+            self.sparse_groups.append(g)
+        self.sparse_groups.sort(key=lambda g: g.index)
 
     def _lane_config(self, config: Config) -> Config:
         """The configuration of the engine's own scheduler: ``config``, with a credit window
@@ -227,6 +247,8 @@ class OverlapEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for g in getattr(self, "sparse_groups", ()):
+            g.sparse.module.__dict__.pop("forward", None)     # the class's forward again
 
     # ---- autograd hooks (autograd engine thread) ------------------------------------------
     def _grad_pre_hook(self, i: int, grad):
@@ -241,6 +263,13 @@ class OverlapEngine:
         cannot be copied into a dense slot: it is accumulated into the zeroed slot
         instead, as is every gradient after the first."""
         g, j = self.slot[i]
+        if g.sparse is not None and not g.sparse.tied:
+            raise RuntimeError(
+                f"commsched overlap: embedding weight {self.names[i]!r} received a dense "
+                "gradient from outside its module's lookup (an output layer sharing it "
+                "through a functional call?), but sends its gradient as rows "
+                "(COMMSCHED_SPARSE_EMBEDDING_ROWS): tie it by registering the same "
+                "Parameter in the output module, or set COMMSCHED_SPARSE_EMBEDDING_ROWS=0")
         if self._bw and g.submitted_iter == self._bw_iter:
             raise RuntimeError(
                 f"commsched overlap: parameter {self.names[i]!r} received a gradient after "
@@ -300,6 +329,13 @@ class OverlapEngine:
             g.ready = 0
         self.used = [False] * len(self.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.sparse_groups:
+            # A weight with only row gradients has nothing for autograd to accumulate: its
+            # group is passed over in order (its rows go at the end, see _flush).
+            for g in self.sparse_groups:
+                if not g.sparse.tied:
+                    g.ready = len(g.params)
+            self._submit_ready()
 
     def _end_backward(self) -> None:
         """Autograd engine callback at the end of a synchronised backward."""
@@ -321,15 +357,20 @@ class OverlapEngine:
                 return
             self._submit(g)
             self._next -= 1
-        self._end_iteration()
+        if not self.sparse_groups:
+            self._end_iteration()
+        # (else rows are recorded until the end of backward: _flush ends the iteration)
 
     def _flush(self) -> None:
-        """Submit every group not submitted yet in this backward, in order."""
-        if self._next < 0 or not self._bw:
+        """Submit every group not submitted yet in this backward, in order, then the row
+        gradients, and end the iteration."""
+        if not self._bw or (self._next < 0 and not self.sparse_groups):
             return
         while self._next >= 0:
             self._submit(self.groups[self._next])
             self._next -= 1
+        if self.sparse_groups:
+            self._submit_rows()
         self._end_iteration()
 
     def _prepare_submit(self, g: LayerGroup) -> None:
@@ -365,16 +406,64 @@ class OverlapEngine:
         if g.request is not None or g.actions:
             # Untouched since the last iteration (no forward or gradient reached it).
             self._settle(g)
+        g.submitted_iter = self._bw_iter
+        if g.sparse is not None and not g.sparse.tied:
+            g.all_used = True           # (its gradient is the rows: _submit_rows)
+            return
         self._prepare_submit(g)
         if g.all_used:
             g.flags.fill_(1)
         else:
             copy_flags(g.flags, self.used[g.first:g.first + len(g.params)])
-        g.request = self.scheduler.submit(g.buffer, key=g.index, priority=g.index,
-                                          group=self.reduce_group, average=True,
-                                          decompose="none",
-                                          partition_bytes=self.partition_bytes)
-        g.submitted_iter = self._bw_iter
+        request = self.scheduler.submit(g.buffer, key=g.index, priority=g.priority,
+                                        group=self.reduce_group, average=True,
+                                        decompose="none",
+                                        partition_bytes=self.partition_bytes)
+        if g.sparse is not None:
+            # Tied: the group's request is its rows' (the last issued); nothing settles
+            # the group before they are submitted.
+            g.sparse.requests = [request]
+        else:
+            g.request = request
+
+    def _submit_rows(self) -> None:
+        """End of backward: all-gather each row-gradient weight's token ids and rows (the
+        group's request is the rows'; see sparse.py)."""
+        w, r = self.world_size, self.rank
+        for g in self.sparse_groups:
+            slot = g.sparse
+            ids, rows = slot.take()
+            tokens = ids.numel()
+            if slot.tokens is None:
+                self._agree_tokens(g, tokens)
+            elif tokens != slot.tokens:
+                raise RuntimeError(
+                    f"commsched overlap: embedding {slot.name!r} looked up {tokens} tokens "
+                    f"in this backward, {slot.tokens} in the first: with "
+                    "COMMSCHED_SPARSE_EMBEDDING_ROWS every backward must look up as many "
+                    "tokens on every rank (pad the batch, or set it to 0)")
+            with torch.no_grad():
+                slot.ids_all.narrow(0, r * tokens, tokens).copy_(ids)
+                slot.rows_all.view(w * tokens, -1).narrow(0, r * tokens, tokens).copy_(rows)
+            submit = functools.partial(self.scheduler.submit, priority=g.priority,
+                                       op="all_gather", group=self.reduce_group)
+            slot.requests.append(submit(slot.ids_all, key=("ids", g.index)))
+            g.request = submit(slot.rows_all, key=("rows", g.index))
+
+    def _agree_tokens(self, g: LayerGroup, tokens: int) -> None:
+        """First backward: every rank's token count, all-gathered and read on the host
+        (once); they must be equal."""
+        counts = torch.zeros(self.world_size, dtype=torch.long, device=g.device)
+        counts[self.rank] = tokens
+        self.scheduler.submit(counts, key=("tokens", g.index), priority=g.priority,
+                              op="all_gather", group=self.reduce_group).wait()
+        counts = counts.tolist()
+        if len(set(counts)) != 1:
+            raise RuntimeError(
+                f"commsched overlap: embedding {g.sparse.name!r} looked up {counts} tokens "
+                "on ranks 0.. in the first backward: with COMMSCHED_SPARSE_EMBEDDING_ROWS "
+                "every rank must look up as many (pad the batch, or set it to 0)")
+        g.sparse.allocate(tokens, self.world_size)
 
     def _end_iteration(self) -> None:
         self.scheduler.end_iteration(self.reduce_group, private=True)
@@ -485,6 +574,8 @@ class OverlapEngine:
                 self._run_zeros(gs, set_to_none)
 
     def _after_comm(self, g: LayerGroup) -> None:
+        if g.sparse is not None:
+            self._add_rows(g)
         if g.all_used:
             return
         # Some parameter got no local gradient: the reduced flags say which were used on
@@ -495,6 +586,21 @@ class OverlapEngine:
             self.clean[first + j] = False
             if used[j] and p.grad is None:
                 p.grad = g.grad_views[j]
+
+    def _add_rows(self, g: LayerGroup) -> None:
+        """The group's rows arrived (its request): after the dense all-reduce of a tied
+        weight, add them into the gradient slot, divided by the group size."""
+        slot = g.sparse
+        requests, slot.requests = slot.requests, []
+        for request in requests:
+            request.wait()
+        with torch.no_grad(), _plain():
+            grad = g.grads[0]
+            if not slot.tied:
+                grad.zero_()
+            slot.apply(grad, self.world_size)
+        g.params[0].grad = g.grad_views[0]
+        self.clean[g.first] = False
 
     def _run(self, g: LayerGroup, action) -> None:
         kind, arg = action

@@ -80,6 +80,8 @@ class LayerGroup:
         # run-time state
         "request", "submitted_iter", "ready", "all_used", "actions", "param_request",
         "needs_gather", "grads_full", "consistent",
+        # row gradients (sparse.py): the group holds one embedding weight
+        "sparse", "priority",
     )
 
     def __init__(self, index: int, named: Sequence[Tuple[str, torch.nn.Parameter]], first: int):
@@ -116,6 +118,8 @@ class LayerGroup:
         self.needs_gather = False
         self.grads_full = True
         self.consistent = True
+        self.sparse = None                      # SparseSlot of the group's weight
+        self.priority = index                   # lower: needed earlier by the forward
 
     @property
     def nbytes(self) -> int:
@@ -136,16 +140,20 @@ class LayerGroup:
         return f"LayerGroup({self.index}, params={len(self.params)}, numel={self.numel})"
 
 
-def build_groups(module: torch.nn.Module, group_bytes: int
+def build_groups(module: torch.nn.Module, group_bytes: int,
+                 alone: Optional[Dict[int, bool]] = None
                  ) -> Tuple[List[LayerGroup], Dict[torch.nn.Module, List[int]]]:
     """Cut ``module``'s trainable parameters into layer groups, in registration order.
 
     A group is closed at a module boundary once it holds at least ``group_bytes`` bytes of
     gradient (0: one group per parameter-owning module), and whenever dtype or device
     changes. A parameter shared by several modules belongs to the first one that registers
-    it. Returns the groups and, per module owning parameters directly, the indices of the
-    groups those parameters belong to (for the module's forward pre-hook).
+    it. ``alone`` (parameter id -> last): parameters that get a group of their own, in
+    place, or (``last``) after every other group. Returns the groups and, per module
+    owning parameters directly, the indices of the groups those parameters belong to (for
+    the module's forward pre-hook).
     """
+    alone = alone or {}
     seen: Dict[int, int] = {}
     runs: List[List[Tuple[str, torch.nn.Parameter]]] = []
     for mname, m in module.named_modules():
@@ -168,15 +176,27 @@ def build_groups(module: torch.nn.Module, group_bytes: int
             first += len(current)
             current, current_bytes = [], 0
 
+    last = []
     for run in runs:
         if current and current_bytes >= group_bytes:
             close()
         for name, p in run:
+            if id(p) in alone:
+                if alone[id(p)]:
+                    last.append((name, p))
+                else:
+                    close()
+                    current.append((name, p))
+                    close()
+                continue
             if current and (p.dtype != current[0][1].dtype or p.device != current[0][1].device):
                 close()
             current.append((name, p))
             current_bytes += p.numel() * p.element_size()
     close()
+    for named in last:
+        current.append(named)
+        close()
     for g in groups:
         for p in g.params:
             seen[id(p)] = g.index

@@ -895,6 +895,9 @@ MODES: List[Mode] = [
          "(COMMSCHED_DISPATCH=thread)", lambda bench: run_commsched_dp(bench, dispatch="thread")),
     Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
          lambda bench: run_commsched_dp(bench, plan_forward=False)),
+    Mode("commsched_dp_rows", "6r as 6, embedding gradients as rows "
+         "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
+         lambda bench: run_commsched_dp(bench, sparse_embedding_rows=16384)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]

@@ -428,6 +428,61 @@ def _unused_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+class _TinyLM(nn.Module):
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = nn.Embedding(4096, 64, padding_idx=0)
+        self.blocks = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        self.head = nn.Linear(64, 4096, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.blocks(self.embed(ids)))
+
+
+def _train_lm(tied, rank, config=None, steps=5):
+    torch.manual_seed(0)
+    net = _TinyLM(tied).cuda()
+    if config is None:
+        model = DDP(net, device_ids=[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    else:
+        model, opt = commsched.wrap(net, torch.optim.SGD(net.parameters(), lr=0.5,
+                                                         momentum=0.9), config)
+    gen = torch.Generator(device="cuda").manual_seed(10 + rank)
+    for _ in range(steps):
+        ids = torch.randint(0, 4096, (4, 256), device="cuda", generator=gen)
+        ids[:, 0] = 0                           # padding tokens
+        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if config is not None:
+        commsched.drain(model)
+        rows = len(model._engine.sparse_groups)
+        model.close()
+    else:
+        rows = None
+    return [p.detach().clone() for p in net.parameters()], rows
+
+
+def _rows_vs_stock_ddp(rank, world, port):
+    """Embedding gradients as rows (all-gathers, index_add_ on the device) against stock
+    DDP: the same sums in another order (CUDA's index_add_ adds rows atomically), so
+    within float32 rounding."""
+    _init(rank, world, port)
+    for tied in (False, True):
+        ref, _ = _train_lm(tied, rank)
+        got, rows = _train_lm(tied, rank, commsched.Config(sparse_embedding_rows=4096,
+                                                           group_bytes=0))
+        assert rows == 1, rows
+        for a, b in zip(got, ref):
+            err = ((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+            assert err <= 1e-5, (tied, err)
+    dist.destroy_process_group()
+
+
 def _spawn(fn, timeout=300):
     ctx = mp.start_processes(fn, args=(2, free_port()), nprocs=2, join=False,
                              start_method="spawn")
@@ -477,3 +532,7 @@ def test_data_parallel_mode_equals_stock_ddp_nccl():
 
 def test_data_parallel_mode_with_a_parameter_unused_on_one_rank_equals_stock_ddp_nccl():
     _spawn(_unused_vs_stock_ddp)
+
+
+def test_embedding_rows_equal_stock_ddp_nccl_within_rounding():
+    _spawn(_rows_vs_stock_ddp)
