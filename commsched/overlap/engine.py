@@ -464,6 +464,17 @@ class OverlapEngine:
                 "on ranks 0.. in the first backward: with COMMSCHED_SPARSE_EMBEDDING_ROWS "
                 "every rank must look up as many (pad the batch, or set it to 0)")
         g.sparse.allocate(tokens, self.world_size)
+        rows = g.sparse.weight.shape[0]
+        if self.world_size * tokens >= rows:
+            # A ring all-reduce sends about twice the weight per rank, the all-gather the
+            # rows of every rank: at as many rows as the weight has, the dense one is
+            # cheaper or about even.
+            self._warn_once(
+                "rows",
+                f"commsched overlap: embedding {g.sparse.name!r} sends "
+                f"{self.world_size} x {tokens} gradient rows per backward, at least its "
+                f"{rows} rows: the dense all-reduce would send about as much or less; "
+                "raise COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0")
 
     def _end_iteration(self) -> None:
         self.scheduler.end_iteration(self.reduce_group, private=True)

@@ -136,6 +136,31 @@ def test_embeddings_below_the_row_count_go_dense():
     run_workers(_off_below_the_row_count, 2, timeout=120)
 
 
+def _more_rows_than_the_weight(rank, world):
+    import warnings
+
+    from commsched import Config
+    from commsched.overlap import OverlapWarning, wrap
+
+    torch.manual_seed(0)
+    net = TinyLM(False)
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                      Config(sparse_embedding_rows=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _loss(model, *_batch(rank, 0, tokens=50)).backward()     # 2 x 50 >= 97 rows
+    assert [str(w.message) for w in caught if w.category is OverlapWarning] == [
+        "commsched overlap: embedding 'embed' sends 2 x 50 gradient rows per backward, at "
+        "least its 97 rows: the dense all-reduce would send about as much or less; raise "
+        "COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0"]
+    opt.step()
+    model.close()
+
+
+def test_gathering_as_many_rows_as_the_weight_has_warns_at_the_first_backward():
+    run_workers(_more_rows_than_the_weight, 2, timeout=120)
+
+
 def _unequal_tokens(rank, world):
     from commsched import Config
     from commsched.overlap import wrap
