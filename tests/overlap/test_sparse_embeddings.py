@@ -49,7 +49,7 @@ def _loss(model, ids, target):
     return nn.functional.cross_entropy(model(ids).reshape(-1, VOCAB), target.reshape(-1))
 
 
-def _train_both(rank, world, tied, min_rows, accum=1):
+def _train_both(rank, world, tied, min_rows, accum=1, clip=None):
     from commsched import Config
     from commsched.overlap import drain, wrap
 
@@ -60,8 +60,8 @@ def _train_both(rank, world, tied, min_rows, accum=1):
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
     opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
-    model, opt = wrap(
-        net, opt, Config(sparse_embedding_rows=min_rows, group_bytes=0))
+    model, opt = wrap(net, opt, Config(sparse_embedding_rows=min_rows, group_bytes=0),
+                      reads_grads=clip is not None)
     engine = model._engine
     keys = []
     submit = engine.scheduler.submit
@@ -75,6 +75,10 @@ def _train_both(rank, world, tied, min_rows, accum=1):
                 _loss(ddp, ids, target).backward()
             with contextlib.nullcontext() if last else model.no_sync():
                 _loss(model, ids, target).backward()
+        if clip is not None:
+            norms = (nn.utils.clip_grad_norm_(ddp.parameters(), clip),
+                     nn.utils.clip_grad_norm_(net.parameters(), clip))
+            assert torch.allclose(*norms, rtol=1e-5) and norms[0] > clip, norms
         ref_opt.step()
         ref_opt.zero_grad()
         opt.step()
@@ -122,6 +126,17 @@ def _accumulated(rank, world):
 
 def test_accumulated_micro_batches_send_their_rows_at_the_synchronised_backward():
     run_workers(_accumulated, 2, timeout=120)
+
+
+def _clipped(rank, world):
+    # the norm reads every gradient: the rows are added before it (reads_grads)
+    worst, engine, _ = _train_both(rank, world, True, min_rows=VOCAB, clip=0.05)
+    assert worst <= 1e-5, (rank, worst)
+    engine.close()
+
+
+def test_clipping_reads_gradients_with_their_rows():
+    run_workers(_clipped, 2, timeout=120)
 
 
 def _off_below_the_row_count(rank, world):
