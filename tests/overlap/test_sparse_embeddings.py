@@ -4,9 +4,9 @@ DistributedDataParallel does.
 A tiny language model (embedding, two blocks, an output layer tied to the embedding or
 not; a padding token among the inputs) trains for 6 steps with SGD and momentum (its
 update scales with the gradient, so a wrong scale shows), once under DDP (the reference)
-and once under ``commsched.overlap.wrap`` with row gradients for the embedding, on 2 gloo
-ranks with different tokens per rank. The rows are summed in another order than DDP's
-dense gradient, so values are compared within float32 rounding (1e-5 relative).
+and once under ``commsched.overlap.wrap`` with row gradients for the embedding, on 2 (and
+4) gloo ranks with different tokens per rank. The rows are summed in another order than
+DDP's dense gradient, so values are compared within float32 rounding (1e-5 relative).
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def _rows_train_like_ddp(rank, world, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_row_gradients_train_like_ddp(tied):
     run_workers(_rows_train_like_ddp, 2, tied, timeout=120)
+
+
+def test_row_gradients_train_like_ddp_on_four_ranks():
+    # (each rank's rows at its own offset of the gathered buffers)
+    run_workers(_rows_train_like_ddp, 4, True, timeout=180)
 
 
 def _accumulated(rank, world):
