@@ -89,8 +89,9 @@ def _train_both(rank, world, tied, min_rows, accum=1, clip=None):
     return worst, engine, keys
 
 
-def _rows_train_like_ddp(rank, world, tied):
+def _rows_train_like_ddp(rank, world, tied, cuda_paths=False):
     worst, engine, keys = _train_both(rank, world, tied, min_rows=VOCAB)
+    assert engine.scheduler._lanes[engine.reduce_group].cuda == cuda_paths
     assert [g.sparse.tied for g in engine.sparse_groups] == [tied]
     g = engine.sparse_groups[0]
     assert g.params == [engine.module.embed.weight]
@@ -113,6 +114,18 @@ def _rows_train_like_ddp(rank, world, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_row_gradients_train_like_ddp(tied):
     run_workers(_rows_train_like_ddp, 2, tied, timeout=120)
+
+
+def _rows_on_cuda_paths(rank, world, tied):
+    import fake_cuda
+    fake_cuda.install()
+    _rows_train_like_ddp(rank, world, tied, cuda_paths=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_row_gradients_on_the_schedulers_cuda_paths_train_like_ddp(tied):
+    # (fake_cuda.py: the lanes' CUDA bookkeeping, collectives still gloo's)
+    run_workers(_rows_on_cuda_paths, 2, tied, timeout=120)
 
 
 def test_row_gradients_train_like_ddp_on_four_ranks():
