@@ -49,6 +49,15 @@ def _loss(model, ids, target):
     return nn.functional.cross_entropy(model(ids).reshape(-1, VOCAB), target.reshape(-1))
 
 
+def _wrapped(net):
+    """``net`` under the data-parallel mode with row gradients for every embedding, SGD."""
+    from commsched import Config
+    from commsched.overlap import wrap
+
+    return wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                Config(sparse_embedding_rows=1))
+
+
 def _train_both(rank, world, tied, min_rows, accum=1, clip=None):
     from commsched import Config
     from commsched.overlap import drain, wrap
@@ -172,13 +181,9 @@ def test_embeddings_below_the_row_count_go_dense():
 def _more_rows_than_the_weight(rank, world):
     import warnings
 
-    from commsched import Config
-    from commsched.overlap import OverlapWarning, wrap
+    from commsched.overlap import OverlapWarning
 
-    torch.manual_seed(0)
-    net = TinyLM(False)
-    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                      Config(sparse_embedding_rows=1))
+    model, opt = _wrapped(TinyLM(False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loss(model, *_batch(rank, 0, tokens=50)).backward()     # 2 x 50 >= 97 rows
@@ -195,13 +200,8 @@ def test_gathering_as_many_rows_as_the_weight_has_warns_at_the_first_backward():
 
 
 def _unequal_tokens(rank, world):
-    from commsched import Config
-    from commsched.overlap import wrap
-
-    torch.manual_seed(0)
     net = TinyLM(False)
-    model, opt = wrap(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), Config(sparse_embedding_rows=1))
+    model, _ = _wrapped(net)
     ids, target = _batch(rank, 0, tokens=TOKENS + 2 * rank)
     with pytest.raises(RuntimeError, match=r"looked up \[24, 26\] tokens"):
         _loss(model, ids, target).backward()
@@ -214,13 +214,7 @@ def test_ranks_that_look_up_different_token_counts_get_an_error_naming_them():
 
 
 def _changed_tokens(rank, world):
-    from commsched import Config
-    from commsched.overlap import wrap
-
-    torch.manual_seed(0)
-    net = TinyLM(True)
-    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                      Config(sparse_embedding_rows=1))
+    model, opt = _wrapped(TinyLM(True))
     _loss(model, *_batch(rank, 0)).backward()
     opt.step()
     opt.zero_grad()
@@ -240,12 +234,7 @@ class _FunctionalTie(TinyLM):
 
 
 def _functional_tie(rank, world):
-    from commsched import Config
-    from commsched.overlap import wrap
-
-    net = _FunctionalTie(False)
-    model, _ = wrap(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), Config(sparse_embedding_rows=1))
+    model, _ = _wrapped(_FunctionalTie(False))
     ids, target = _batch(rank, 0)
     with pytest.raises(RuntimeError, match="embed.weight.*dense gradient"):
         _loss(model, ids, target).backward()
