@@ -652,11 +652,11 @@ class _Lane:
                         work = req.group.allreduce([req.tensor], self._synchronous_options(req))
                     else:
                         work = req.group.allreduce([req.tensor], req.reduce_options)
+                    req.outcome = True        # (resolved, as _take_dispatched would)
                     if work is None:
                         # Synchronous on NCCL: the collective is in the caller's stream,
                         # which orders whatever the caller does next after it; the lane
                         # has nothing to complete.
-                        req.outcome = True
                         self.in_flight_bytes -= chunk.nbytes
                         chunk.request = None
                     else:
@@ -1047,10 +1047,9 @@ class _Lane:
             completion.bound()
 
     def _issued_direct(self, req: Request, chunk: Chunk, work) -> None:
-        """After ``add`` issued ``req``, one step of one chunk, in a lane whose steps
-        nobody needs one by one (``batched``): resolved at once (as _take_dispatched
-        would), the step into the open completion batch."""
-        req.outcome = True
+        """After ``add`` issued ``req`` (resolved), one step of one chunk, in a lane whose
+        steps nobody needs one by one (``batched``): the step into the open completion
+        batch."""
         completion = self.completion
         req.done_work = completion.newest[None] = work
         completion.batch(chunk, 0, True, work)

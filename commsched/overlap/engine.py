@@ -161,18 +161,21 @@ class OverlapEngine:
         self._fresh = False     # no module of the current wrapped forward has run yet
         self._warned = set()
         self._hooks = []
-        self._register_hooks(module_groups)
         # Row gradients (sparse.py), in group order: their all-gathers go at the end of
-        # every backward, after the groups, in this order on every rank.
+        # every backward, after the groups, in this order on every rank. ``_rows_only``:
+        # the untied ones, whose groups send no dense all-reduce.
         self.sparse_groups: List[LayerGroup] = []
         for name, m, tied in embeddings:
             g, _ = self.slot[next(i for i, p in enumerate(self.params) if p is m.weight)]
             g.sparse = SparseSlot(name, m, tied)
             if tied:
                 g.priority = -1         # backward's first, the next forward's first need
-            m.forward = g.sparse.lookup
             self.sparse_groups.append(g)
         self.sparse_groups.sort(key=lambda g: g.index)
+        self._rows_only = [g for g in self.sparse_groups if not g.sparse.tied]
+        self._register_hooks(module_groups)
+        for g in self.sparse_groups:
+            g.sparse.module.forward = g.sparse.lookup
 
     def _lane_config(self, config: Config) -> Config:
         """The configuration of the engine's own scheduler: ``config``, with a credit window
@@ -234,7 +237,12 @@ class OverlapEngine:
     def _register_hooks(self, module_groups) -> None:
         # (functools.partial: called from C, with no Python frame of its own)
         bind = functools.partial
+        rows_only = {id(g.params[0]) for g in self._rows_only}
         for i, p in enumerate(self.params):
+            if id(p) in rows_only:
+                # Autograd has no gradient to hand it: one would be a use the rows miss.
+                self._hooks.append(p.register_hook(bind(self._dense_grad_of_rows, i)))
+                continue
             self._hooks.append(p.register_hook(bind(self._grad_pre_hook, i)))
             self._hooks.append(p.register_post_accumulate_grad_hook(
                 bind(self._grad_post_hook, i)))
@@ -247,7 +255,7 @@ class OverlapEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for g in getattr(self, "sparse_groups", ()):
+        for g in self.sparse_groups:
             g.sparse.module.__dict__.pop("forward", None)     # the class's forward again
 
     # ---- autograd hooks (autograd engine thread) ------------------------------------------
@@ -263,13 +271,6 @@ class OverlapEngine:
         cannot be copied into a dense slot: it is accumulated into the zeroed slot
         instead, as is every gradient after the first."""
         g, j = self.slot[i]
-        if g.sparse is not None and not g.sparse.tied:
-            raise RuntimeError(
-                f"commsched overlap: embedding weight {self.names[i]!r} received a dense "
-                "gradient from outside its module's lookup (an output layer sharing it "
-                "through a functional call?), but sends its gradient as rows "
-                "(COMMSCHED_SPARSE_EMBEDDING_ROWS): tie it by registering the same "
-                "Parameter in the output module, or set COMMSCHED_SPARSE_EMBEDDING_ROWS=0")
         if self._bw and g.submitted_iter == self._bw_iter:
             raise RuntimeError(
                 f"commsched overlap: parameter {self.names[i]!r} received a gradient after "
@@ -294,6 +295,15 @@ class OverlapEngine:
             p.grad = g.grad_views[j]
         self.clean[i] = False
         return None
+
+    def _dense_grad_of_rows(self, i: int, grad):
+        """A weight whose gradient goes as rows got a dense gradient: refused."""
+        raise RuntimeError(
+            f"commsched overlap: embedding weight {self.names[i]!r} received a dense "
+            "gradient from outside its module's lookup (an output layer sharing it "
+            "through a functional call?), but sends its gradient as rows "
+            "(COMMSCHED_SPARSE_EMBEDDING_ROWS): tie it by registering the same "
+            "Parameter in the output module, or set COMMSCHED_SPARSE_EMBEDDING_ROWS=0")
 
     def _before_accumulate(self, g: LayerGroup, i: int) -> None:
         """Checks of the rs_ag variant."""
@@ -329,12 +339,11 @@ class OverlapEngine:
             g.ready = 0
         self.used = [False] * len(self.params)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self.sparse_groups:
+        if self._rows_only:
             # A weight with only row gradients has nothing for autograd to accumulate: its
             # group is passed over in order (its rows go at the end, see _flush).
-            for g in self.sparse_groups:
-                if not g.sparse.tied:
-                    g.ready = len(g.params)
+            for g in self._rows_only:
+                g.ready = len(g.params)
             self._submit_ready()
 
     def _end_backward(self) -> None:
