@@ -784,10 +784,13 @@ def _tuned_setting(log: List[dict], config) -> Dict[str, Any]:
     return tuned
 
 
-def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
+def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
+                     **overrides) -> Dict[str, Any]:
     """commsched's own data-parallel mode (crossing the iteration barrier); ``overrides``
     replace fields of the config from the environment (``group_bytes``: the layer-group
-    size)."""
+    size). ``settle_each_step``: after each step, queue every layer group's wait and update
+    before the next forward (the host waits until each group's request is issued, not for
+    the device): the barrier is not crossed."""
     commsched = benchlib.import_commsched()
     if not hasattr(commsched, "wrap"):
         raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
@@ -801,8 +804,14 @@ def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     # The window its lane runs under: COMMSCHED_CREDIT_BYTES, or groups_in_flight groups.
     window = model._engine.scheduler.config.credit_bytes
     try:
-        times = bench.time(bench.train_step(model, optimizer),
-                           quiesce=lambda: commsched.drain(model))
+        step = bench.train_step(model, optimizer)
+        if settle_each_step:
+            train_step, engine = step, model._engine
+
+            def step() -> None:
+                train_step()
+                engine.settle_all()
+        times = bench.time(step, quiesce=lambda: commsched.drain(model))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
         from commsched.overlap.update import state_bytes
         state = state_bytes(optimizer)
@@ -898,6 +907,9 @@ MODES: List[Mode] = [
     Mode("commsched_dp_rows", "6r as 6, embedding gradients as rows "
          "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
          lambda bench: run_commsched_dp(bench, sparse_embedding_rows=16384)),
+    Mode("commsched_dp_settle", "6x as 6, every layer group settled after the step "
+         "(the barrier not crossed)",
+         lambda bench: run_commsched_dp(bench, settle_each_step=True)),
     Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
     Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
