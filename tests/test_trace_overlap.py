@@ -113,3 +113,42 @@ def test_cli_fails_on_a_trace_without_gpu_activity(tmp_path, capsys):
                                             "ts": 0, "dur": 5}])
     assert trace_overlap.main([path]) == 1
     assert "no GPU activity" in capsys.readouterr().err
+
+
+def test_comm_timeline_gives_launch_start_and_link_idle(tmp_path, capsys):
+    # Three NCCL kernels on device 0, origin at the first GPU activity (ts 100):
+    #   a: launched at 110 by thread 5, runs [150, 170)
+    #   b: launched at 120 by thread 6, runs [200, 230): link idle 30 us before it
+    #   c: its launch call is not in the trace, runs [225, 240): overlaps b, idle 0
+    # plus a compute kernel at 100 and another device's NCCL kernel (left out).
+    def nccl(ts, dur, corr, device=0):
+        e = kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", ts, dur, device=device, stream=20)
+        e["args"]["correlation"] = corr
+        return e
+
+    events = [kernel("gemm", 100, 40), nccl(200, 30, 2), nccl(150, 20, 1), nccl(225, 15, 3),
+              nccl(0, 10, 9, device=1)]
+    calls = [{"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 110,
+              "dur": 1, "tid": 5, "args": {"correlation": 1}},
+             {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 120,
+              "dur": 1, "tid": 6, "args": {"correlation": 2}},
+             {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventRecord", "ts": 130,
+              "dur": 1, "tid": 6, "args": {"correlation": 7}}]
+    path = write(tmp_path / "t.json.gz", events + calls)
+    gpu, host_events = trace_overlap.load_trace(path)
+    rows = trace_overlap.comm_timeline(gpu, host_events, device=0)
+    assert [(r["launch_ms"] is None, r["tid"]) for r in rows] == [
+        (False, 5), (False, 6), (True, None)]
+    assert rows[0]["launch_ms"] == pytest.approx(0.010)
+    assert rows[1]["launch_ms"] == pytest.approx(0.020)
+    assert [(r["start_ms"], r["dur_ms"], r["idle_before_ms"]) for r in rows] == [
+        pytest.approx((0.050, 0.020, 0.0)), pytest.approx((0.100, 0.030, 0.030)),
+        pytest.approx((0.125, 0.015, 0.0))]
+    out = tmp_path / "r.json"
+    assert trace_overlap.main([path, "--iters", "1", "--comm", "--device", "0",
+                               "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())[path]["comm"]) == 3
+    text = capsys.readouterr().out
+    assert ("ncclDevKernel_AllReduce_Sum_f32_RING_LL: launched at 0.02 by thread 6, "
+            "ran 0.10 + 0.03 ms, link idle 0.03 ms before") in text
+    assert "launch call not in the trace, ran 0.12 + 0.01 ms" in text

@@ -1,6 +1,7 @@
 """Where a profiled window's GPU time goes: compute, communication, their overlap, idle.
 
     python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8] [--host 8]
+        [--comm]
 
 Reads Chrome traces written by torch.profiler (the harness writes them with
 ``BENCH_PROFILE=DIR``, megatron_e2e.py with ``--profile-dir``) and prints, per trace, per
@@ -26,6 +27,10 @@ profiled iteration (``--iters``: the harness's ``BENCH_WINDOW``, 3 for megatron_
   iteration (count and time) and its N most frequent ones: what a mode adds to the
   threads that launch the work (a profile recorded with CUDA activity has these calls
   even without CPU operators).
+* with ``--comm``: every NCCL kernel in device order, when its launch call was made on the
+  host and by which thread, when it started on the device and for how long, and how long
+  the link had been idle since the previous one ended: the order the collectives were
+  issued in, and what each one waited for.
 
 Standard library only: it runs where the traces were taken.
 """
@@ -80,6 +85,31 @@ def host_calls(calls: List[dict], iters: int, top: int) -> List[Dict[str, object
                     sorted(names.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]]})
     threads.sort(key=lambda t: -t["calls"])
     return threads
+
+
+def comm_timeline(events: List[dict], calls: List[dict], device: int) -> List[Dict[str, object]]:
+    """The NCCL kernels of ``device`` in start order, ms from its first GPU activity: each
+    with the host call that launched it (matched by correlation id; None where the trace
+    lacks it), the launching thread, its start and duration, and the time since the
+    previous NCCL kernel ended (0 where they overlap)."""
+    events = [e for e in events if e.get("args", {}).get("device", device) == device]
+    if not events:
+        return []
+    origin = min(float(e["ts"]) for e in events)
+    launches = {e["args"]["correlation"]: e for e in calls
+                if "correlation" in e.get("args", {})}
+    rows, last_end = [], None
+    for e in sorted((e for e in events if is_comm(e)), key=lambda e: float(e["ts"])):
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        call = launches.get(e.get("args", {}).get("correlation"))
+        rows.append({
+            "name": e["name"][:40],
+            "launch_ms": None if call is None else (float(call["ts"]) - origin) / 1e3,
+            "tid": None if call is None else call.get("tid"),
+            "start_ms": (start - origin) / 1e3, "dur_ms": (end - start) / 1e3,
+            "idle_before_ms": 0.0 if last_end is None else max(0.0, start - last_end) / 1e3})
+        last_end = end if last_end is None else max(last_end, end)
+    return rows
 
 
 def is_comm(event: dict) -> bool:
@@ -198,6 +228,11 @@ def report(path: str, result: Dict[str, object], iters: int) -> str:
     for g in result["gaps"]:
         lines.append(f"  gap {g['gap_ms']:.3f} ms at {g['at_ms']:.2f} (comm {g['comm_ms']:.3f}):"
                      f" {g['after']} -> {g['before']}")
+    for c in result.get("comm", []):
+        launch = ("launch call not in the trace" if c["launch_ms"] is None else
+                  f"launched at {c['launch_ms']:.2f} by thread {c['tid']}")
+        lines.append(f"  {c['name']}: {launch}, ran {c['start_ms']:.2f} + {c['dur_ms']:.2f} ms,"
+                     f" link idle {c['idle_before_ms']:.2f} ms before")
     for t in result.get("host", []):
         lines.append(f"  host thread {t['tid']}: {t['calls']:.0f} CUDA calls ({t['ms']:.2f} ms): "
                      + ", ".join(f"{name} {n:.0f}" for name, n in t["top"]))
@@ -215,6 +250,9 @@ def main(argv=None) -> int:
     parser.add_argument("--host", type=int, default=0, metavar="N",
                         help="per host thread, its CUDA calls per iteration and its N most "
                              "frequent ones (0: off)")
+    parser.add_argument("--comm", action="store_true",
+                        help="every NCCL kernel: launched when and by which host thread, "
+                             "started when, and the link's idle time before it")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.iters < 1:
@@ -236,6 +274,8 @@ def main(argv=None) -> int:
         results[path] = analyse(events, device, args.gaps)
         if args.host:
             results[path]["host"] = host_calls(calls, args.iters, args.host)
+        if args.comm:
+            results[path]["comm"] = comm_timeline(events, calls, device)
         print(report(path, results[path], args.iters))
     if args.json:
         with open(args.json, "w") as f:
