@@ -27,7 +27,9 @@ class ConfigError(CommschedError, ValueError):
 Policy = Literal["priority", "fifo"]
 Decompose = Literal["none", "rs_ag", "hier", "leader", "auto"]
 Dispatch = Literal["auto", "thread", "inline"]
+ReduceDtype = Literal["bfloat16", "float16"]
 POLICIES = get_args(Policy)
+REDUCE_DTYPES = get_args(ReduceDtype)
 DECOMPOSITIONS = get_args(Decompose)
 DISPATCH_MODES = get_args(Dispatch)
 
@@ -133,8 +135,20 @@ class Config:
 
     The gathered rows are world size x tokens per rank x width: they can pay only while
     that is well under the embedding's rows x width. Values are DDP's sums, added in
-    another order (``commsched/overlap/sparse.py``). Off by default: no benchmark report
-    measures it yet."""
+    another order (``commsched/overlap/sparse.py``). Off by default: it did not pay on the
+    models measured (``benchmarks/dp_rows_window_2xH200_2026-11-28.md``)."""
+
+    grad_reduce_dtype: Optional[ReduceDtype] = field(default=None, metadata=_env(
+        "COMMSCHED_GRAD_REDUCE_DTYPE"))
+    """Data-parallel mode, decompose none: bfloat16 or float16 casts each layer group's
+    gradients to that type for its all-reduce (half the bytes of float32 on the link) and
+    back after it, as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; unset: the
+    gradients' own type.
+
+    The reduced gradients then carry that type's rounding (about 3 significant digits for
+    bfloat16), as with those DDP hooks: compare against them, not against float32 DDP.
+    Costs a buffer of that type per layer group (half the gradients' memory). Row
+    gradients (``COMMSCHED_SPARSE_EMBEDDING_ROWS``) are gathered in their own type."""
 
     policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY"))
     """Dispatch order: priority (a plan built from a profiled iteration: what the next
@@ -236,6 +250,8 @@ class Config:
                 raise ConfigError(f"{f.name}={value!r}: expected True or False")
         if self.policy is not None:
             _check_choice("policy", self.policy, POLICIES)
+        if self.grad_reduce_dtype is not None:
+            _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, REDUCE_DTYPES)
         _check_choice("decompose", self.decompose, DECOMPOSITIONS)
         _check_choice("dispatch", self.dispatch, DISPATCH_MODES)
         if self.dispatch == "thread" and self.autotune:
@@ -305,6 +321,8 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
         return _choice(var, raw, DECOMPOSITIONS)
     if f.name == "dispatch":
         return _choice(var, raw, DISPATCH_MODES)
+    if f.name == "grad_reduce_dtype":
+        return _choice(var, raw, REDUCE_DTYPES)
     if f.name == "telemetry_dir":
         if not raw.strip():
             raise ConfigError(f"{var}={raw!r}: expected a directory path")

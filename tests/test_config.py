@@ -53,7 +53,19 @@ BAD = [
     ("COMMSCHED_GROUP_BYTES", "inf"), ("COMMSCHED_GROUP_BYTES", "-1"),
     ("COMMSCHED_GROUPS_IN_FLIGHT", "-1"), ("COMMSCHED_GROUPS_IN_FLIGHT", "one"),
     ("COMMSCHED_GROUPS_IN_FLIGHT", "1.5"), ("COMMSCHED_GROUPS_IN_FLIGHT", "inf"),
+    ("COMMSCHED_GRAD_REDUCE_DTYPE", "bf16"), ("COMMSCHED_GRAD_REDUCE_DTYPE", ""),
+    ("COMMSCHED_GRAD_REDUCE_DTYPE", "float32"),
 ]
+
+
+def test_grad_reduce_dtype_is_the_gradients_own_unless_set():
+    assert Config().grad_reduce_dtype is None
+    assert Config.from_env({"COMMSCHED_GRAD_REDUCE_DTYPE": "BFloat16"}).grad_reduce_dtype \
+        == "bfloat16"
+    assert Config.from_env({"COMMSCHED_GRAD_REDUCE_DTYPE": "float16"}).grad_reduce_dtype \
+        == "float16"
+    with pytest.raises(ConfigError, match="grad_reduce_dtype='int8'"):
+        Config(grad_reduce_dtype="int8")
 
 
 def test_group_bytes_zero_is_one_group_per_module():

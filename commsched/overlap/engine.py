@@ -90,6 +90,13 @@ class OverlapEngine:
         self.reads_grads = reads_grads
         self.mode = update_mode(optimizer)
         self.recorder = None
+        if config.grad_reduce_dtype is not None and self.decompose != "none":
+            raise ValueError(
+                f"commsched.wrap: grad_reduce_dtype={config.grad_reduce_dtype!r} "
+                f"(COMMSCHED_GRAD_REDUCE_DTYPE) needs decompose='none', not "
+                f"{self.decompose!r}")
+        self.reduce_dtype = (None if config.grad_reduce_dtype is None
+                             else getattr(torch, config.grad_reduce_dtype))
         embeddings = find_sparse_embeddings(module, config.sparse_embedding_rows)
         if embeddings and self.decompose != "none":
             raise ValueError(
@@ -170,6 +177,8 @@ class OverlapEngine:
             g.sparse = SparseSlot(name, m, tied)
             if tied:
                 g.priority = -1         # backward's first, the next forward's first need
+            else:
+                g.comm = None           # (sends no all-reduce)
             self.sparse_groups.append(g)
         self.sparse_groups.sort(key=lambda g: g.index)
         self._rows_only = [g for g in self.sparse_groups if not g.sparse.tied]
@@ -190,7 +199,7 @@ class OverlapEngine:
         n = config.groups_in_flight
         if not self.windowed or not n or config.credit_bytes or config.autotune:
             return config
-        largest = max(g.buffer.numel() * g.buffer.element_size() for g in self.groups)
+        largest = max(_sent(g).numel() * _sent(g).element_size() for g in self.groups)
         return config.replace(credit_bytes=min(n * largest, MAX_BYTES))
 
     @property
@@ -202,6 +211,9 @@ class OverlapEngine:
     def _allocate(self) -> None:
         for g in self.groups:
             g.allocate(self.view_cls, flags=True)
+            if self.reduce_dtype is not None and _narrows(g.dtype, self.reduce_dtype):
+                g.comm = torch.empty(g.buffer.numel(), dtype=self.reduce_dtype,
+                                     device=g.device)
 
     def _adopt_existing_grads(self) -> None:
         with torch.no_grad(), _plain():
@@ -424,7 +436,10 @@ class OverlapEngine:
             g.flags.fill_(1)
         else:
             copy_flags(g.flags, self.used[g.first:g.first + len(g.params)])
-        request = self.scheduler.submit(g.buffer, key=g.index, priority=g.priority,
+        if g.comm is not None:
+            with torch.no_grad():
+                g.comm.copy_(g.buffer)          # (in the caller's stream, before the wait)
+        request = self.scheduler.submit(_sent(g), key=g.index, priority=g.priority,
                                         group=self.reduce_group, average=True,
                                         decompose="none",
                                         partition_bytes=self.partition_bytes)
@@ -596,6 +611,8 @@ class OverlapEngine:
     def _after_comm(self, g: LayerGroup) -> None:
         if g.sparse is not None:
             self._add_rows(g)
+        else:
+            self._unpack(g)
         if g.all_used:
             return
         # Some parameter got no local gradient: the reduced flags say which were used on
@@ -614,6 +631,7 @@ class OverlapEngine:
         requests, slot.requests = slot.requests, []
         for request in requests:
             request.wait()
+        self._unpack(g)
         with torch.no_grad(), _plain():
             grad = g.grads[0]
             if not slot.tied:
@@ -621,6 +639,14 @@ class OverlapEngine:
             slot.apply(grad, self.world_size)
         g.params[0].grad = g.grad_views[0]
         self.clean[g.first] = False
+
+    @staticmethod
+    def _unpack(g: LayerGroup) -> None:
+        """The group's all-reduce completed (its request waited for): with a narrower
+        communication type, its result back into the gradient buffer."""
+        if g.comm is not None:
+            with torch.no_grad(), _plain():
+                g.buffer.copy_(g.comm)
 
     def _run(self, g: LayerGroup, action) -> None:
         kind, arg = action
@@ -841,6 +867,19 @@ def _due(request, cutoff: float) -> bool:
         return False
     seq = request.issue_seq
     return (seq is not None and seq <= cutoff) or request.finished()
+
+
+def _sent(g: LayerGroup) -> torch.Tensor:
+    """What the group's all-reduce sends: its buffer, or its copy in the communication
+    type (``COMMSCHED_GRAD_REDUCE_DTYPE``)."""
+    return g.buffer if g.comm is None else g.comm
+
+
+def _narrows(dtype: torch.dtype, to: torch.dtype) -> bool:
+    """Whether casting floating-point gradients of ``dtype`` to ``to`` halves their bytes
+    or more (float32 or float64 to bfloat16 or float16); gradients already that narrow go
+    as they are."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(to).bits
 
 
 def _running(request) -> bool:

@@ -82,6 +82,8 @@ class LayerGroup:
         "needs_gather", "grads_full", "consistent",
         # row gradients (sparse.py): the group holds one embedding weight
         "sparse", "priority",
+        # the gradients in the communication type (COMMSCHED_GRAD_REDUCE_DTYPE), or None
+        "comm",
     )
 
     def __init__(self, index: int, named: Sequence[Tuple[str, torch.nn.Parameter]], first: int):
@@ -120,6 +122,7 @@ class LayerGroup:
         self.consistent = True
         self.sparse = None                      # SparseSlot of the group's weight
         self.priority = index                   # lower: needed earlier by the forward
+        self.comm: Optional[torch.Tensor] = None
 
     @property
     def nbytes(self) -> int:

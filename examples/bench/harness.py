@@ -605,13 +605,17 @@ def run_ddp_default(bench: Bench) -> Dict[str, Any]:
     return {"iter_ms": times}
 
 
-def run_ddp_python_hook(bench: Bench) -> Dict[str, Any]:
-    """DDP with PyTorch's own Python all-reduce hook (default_hooks.allreduce_hook): what
-    any Python comm hook costs, the reference for the commsched hook's own overhead."""
+def run_ddp_python_hook(bench: Bench, hook: str = "allreduce_hook") -> Dict[str, Any]:
+    """DDP with one of PyTorch's own Python hooks (``default_hooks.<hook>``):
+    ``allreduce_hook``, what any Python comm hook costs, the reference for the commsched
+    hook's own overhead; ``bf16_compress_hook``, DDP's own bfloat16 all-reduces, the
+    reference for ``COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    if hook == "bf16_compress_hook" and not bench.cuda:
+        raise ModeUnavailable("NCCL only: DDP refuses bf16_compress_hook on gloo")
     model = bench.ddp(bench.build_model())
-    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model.register_comm_hook(None, getattr(default_hooks, hook))
     step = bench.train_step(model, bench.optimizer(model.parameters()))
     return {"iter_ms": bench.time(step)}
 
@@ -850,6 +854,8 @@ MODES: List[Mode] = [
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("bound", "3 bound = max(1, 2)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
+    Mode("ddp_bf16_hook", "4f DDP + PyTorch's bf16_compress_hook (bfloat16 all-reduces)",
+         lambda bench: run_ddp_python_hook(bench, "bf16_compress_hook")),
     Mode("ddp_min_hook", "4c DDP + minimal hook: AVG all-reduce, the work's future",
          lambda bench: run_ddp_minimal_hook(bench, True, True)),
     Mode("ddp_min_hook_join", "4d as 4c, a CPU future per bucket and one wait at the last",
@@ -907,6 +913,9 @@ MODES: List[Mode] = [
     Mode("commsched_dp_rows", "6r as 6, embedding gradients as rows "
          "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
          lambda bench: run_commsched_dp(bench, sparse_embedding_rows=16384)),
+    Mode("commsched_dp_bf16", "6h as 6, bfloat16 all-reduces "
+         "(COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16)",
+         lambda bench: run_commsched_dp(bench, grad_reduce_dtype="bfloat16")),
     Mode("commsched_dp_settle", "6x as 6, every layer group settled after the step "
          "(the barrier not crossed)",
          lambda bench: run_commsched_dp(bench, settle_each_step=True)),

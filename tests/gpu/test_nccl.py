@@ -483,6 +483,40 @@ def _rows_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+def _bf16_vs_ddp_bf16_hook(rank, world, port):
+    """bfloat16 all-reduces (COMMSCHED_GRAD_REDUCE_DTYPE) against DDP under PyTorch's
+    bf16_compress_hook: on 2 ranks each element is one rounding of a / 2 + b / 2 either way
+    (NCCL's average of two values rounds its sum once; halving is exact), so the trained
+    parameters are equal. With the producers delayed (SlowBackward) the cast must still
+    follow them in the stream."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    _init(rank, world, port)
+    for net in (Net, SlowBackward):
+        torch.manual_seed(0)
+        ddp = DDP(net().cuda(), device_ids=[rank], bucket_cap_mb=1)
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        _steps(ddp, opt, rank, 6)
+        ref = [p.detach().clone() for p in ddp.parameters()]
+        plain = _train(None, dict(bucket_cap_mb=1), rank, net=net)
+        for group_bytes in (None, 0):
+            torch.manual_seed(0)
+            model = net().cuda()
+            model, opt = commsched.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                        commsched.Config(grad_reduce_dtype="bfloat16"),
+                                        group_bytes=group_bytes)
+            _steps(model, opt, rank, 6)
+            commsched.drain(model)
+            got = [p.detach().clone() for p in model.parameters()]
+            model.close()
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), (net.__name__, group_bytes,
+                                           (a - b).abs().max().item())
+            assert any(not torch.equal(a, b) for a, b in zip(got, plain)), net.__name__
+    dist.destroy_process_group()
+
+
 def _spawn(fn, timeout=300):
     ctx = mp.start_processes(fn, args=(2, free_port()), nprocs=2, join=False,
                              start_method="spawn")
@@ -536,3 +570,7 @@ def test_data_parallel_mode_with_a_parameter_unused_on_one_rank_equals_stock_ddp
 
 def test_embedding_rows_equal_stock_ddp_nccl_within_rounding():
     _spawn(_rows_vs_stock_ddp)
+
+
+def test_bf16_all_reduces_equal_ddp_with_its_bf16_hook_nccl():
+    _spawn(_bf16_vs_ddp_bf16_hook)
