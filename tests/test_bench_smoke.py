@@ -39,13 +39,14 @@ ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound"
              "ddp_commsched_route_fifo", "ddp_commsched_thread", "commsched_dp",
              "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_zero",
              "commsched_dp_g4", "commsched_dp_thread", "commsched_dp_greedy",
-             "commsched_dp_rows", "commsched_dp_bf16", "commsched_dp_settle",
+             "commsched_dp_fifo", "commsched_dp_rows", "commsched_dp_bf16", "commsched_dp_settle",
              "megatron_stock", "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
 VARIANT_MODES = ("ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
                  "ddp_commsched_timed", "commsched_dp_g4", "ddp_commsched_thread", "commsched_dp_thread",
                  "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_greedy",
+                 "commsched_dp_fifo",
                  "commsched_dp_rows", "commsched_dp_bf16")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",

@@ -910,6 +910,9 @@ MODES: List[Mode] = [
          "(COMMSCHED_DISPATCH=thread)", lambda bench: run_commsched_dp(bench, dispatch="thread")),
     Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
          lambda bench: run_commsched_dp(bench, plan_forward=False)),
+    Mode("commsched_dp_fifo", "6i as 6, layer groups issued in the order they are ready "
+         "(COMMSCHED_POLICY=fifo: no group overtakes another)",
+         lambda bench: run_commsched_dp(bench, policy="fifo")),
     Mode("commsched_dp_rows", "6r as 6, embedding gradients as rows "
          "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
          lambda bench: run_commsched_dp(bench, sparse_embedding_rows=16384)),
