@@ -1371,6 +1371,7 @@ def results_table(document: Dict[str, Any]) -> str:
                "x DDP", "steady ms", "steady x bound", "throughput", "peak GiB",
                "CPU ms/iter", "note"]
     rows = []
+    rounds = (document.get("settings") or {}).get("rounds", 1)
     for launch in document["launches"]:
         for run in launch["runs"]:
             ddp = (run["modes"].get("ddp_default") or {}).get("median_ms")
@@ -1387,8 +1388,18 @@ def results_table(document: Dict[str, Any]) -> str:
                              fmt(result.get("steady_ratio_to_bound"), 2), _throughput(result),
                              None if not result["peak_mem_bytes"]
                              else fmt(result["peak_mem_bytes"] / 2**30, 2),
-                             fmt(cpu, 1), _note(result)])
+                             fmt(cpu, 1), _rounds_note(result, rounds)])
     return benchlib.markdown_table(headers, rows)
+
+
+def _rounds_note(result: Dict[str, Any], rounds: int) -> Optional[str]:
+    """The note, led by how many of the asked rounds the mode finished where a launch ended
+    early (``--timeout``): its row pools fewer samples than the others."""
+    note = _note(result)
+    done = len(result.get("round_medians_ms") or [])
+    if result["status"] != "ok" or result["name"] == "bound" or not 0 < done < rounds:
+        return note
+    return f"{done} of {rounds} rounds" + (f"; {note}" if note else "")
 
 
 # Rows that are not a training step (no ratio to DDP): compute alone, communication alone
