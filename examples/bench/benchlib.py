@@ -116,8 +116,9 @@ def launch(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> LaunchOu
         while not context.join(timeout=1.0):
             if time.monotonic() - start > timeout_s:
                 _terminate(context.processes, ready)
-                return LaunchOutcome(False, f"timed out after {timeout_s:.0f} s (hung "
-                                     "collective?); workers terminated",
+                return LaunchOutcome(False, f"timed out after {timeout_s:.0f} s (a hung "
+                                     "collective, or more work than the timeout allows); "
+                                     "workers terminated",
                                      time.monotonic() - start)
     except mp.ProcessRaisedException as exc:
         text = str(exc)
