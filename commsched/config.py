@@ -11,13 +11,14 @@ import dataclasses
 import difflib
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Literal, Mapping, Optional, get_args
+from typing import Dict, List, Literal, Mapping, Optional, get_args
 
 from .errors import CommschedError
 
 __all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "field_docs",
-           "settings_table"]
+           "settings_table", "warn_data_parallel_only"]
 
 
 class ConfigError(CommschedError, ValueError):
@@ -264,6 +265,12 @@ class Config:
             raise ConfigError(
                 f"telemetry_dir={self.telemetry_dir!r}: expected a non-empty path or None")
 
+    def data_parallel_only(self) -> List[str]:
+        """The variables of the settings that only the data-parallel mode reads
+        (``commsched.wrap``) which this config sets away from their defaults."""
+        return [f.metadata["env"] for f in dataclasses.fields(self)
+                if f.name in _DATA_PARALLEL_ONLY and getattr(self, f.name) != f.default]
+
     def replace(self, **changes) -> "Config":
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
@@ -295,6 +302,24 @@ class Config:
                 continue
             values[f.name] = _parse_field(f, var, raw)
         return cls(**values)
+
+
+# Settings read by the data-parallel mode alone: the DDP hook and the Megatron patches send
+# the buckets their framework hands them.
+_DATA_PARALLEL_ONLY = frozenset(("group_bytes", "groups_in_flight", "sparse_embedding_rows",
+                                 "grad_reduce_dtype", "plan_forward"))
+
+
+def warn_data_parallel_only(config: "Config", adapter: str, stacklevel: int = 2) -> None:
+    """One warning naming the data-parallel-only settings ``config`` sets, which
+    ``adapter`` (the DDP hook, the Megatron patches) does not read: a setting silently
+    not applied is what rejecting unknown variables guards against too."""
+    names = config.data_parallel_only()
+    if names:
+        warnings.warn(
+            f"commsched {adapter}: {', '.join(names)} "
+            f"{'is' if len(names) == 1 else 'are'} read by the data-parallel mode "
+            "(commsched.wrap) only and ignored here", UserWarning, stacklevel=stacklevel + 1)
 
 
 def _parse_field(f: dataclasses.Field, var: str, raw: str):

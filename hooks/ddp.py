@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from commsched.config import Config
+from commsched.config import Config, warn_data_parallel_only
 from commsched.scheduler import Scheduler
 
 __all__ = ["CommschedState", "commsched_hook", "register"]
@@ -50,6 +50,7 @@ class CommschedState:
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
         config = (config if config is not None else Config.from_env()).with_policy("priority")
+        warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None
         if observer is None and scheduler is None and config.telemetry_dir:
             from commsched.telemetry import open_rank_recorder

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Optional
 
-from commsched.config import Config, ConfigError
+from commsched.config import Config, ConfigError, warn_data_parallel_only
 
 from . import versions
 
@@ -56,6 +56,7 @@ def apply(config: Optional[Config] = None, *, observer=None) -> None:
             return
         config = Config.from_env() if config is None else config
         _check_config(config)
+        warn_data_parallel_only(config, "Megatron patches")
         module = importlib.import_module(TARGET)
         cls = module._ParamAndGradBucketGroup
         version = versions.megatron_version()

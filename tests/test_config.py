@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from commsched.config import ENV_VARS, Config, ConfigError, parse_bytes
+from commsched.config import (ENV_VARS, Config, ConfigError, parse_bytes,
+                              warn_data_parallel_only)
 
 
 def test_defaults_are_off_and_valid():
@@ -184,3 +185,20 @@ def test_an_unset_policy_is_each_adapter_s_default():
         assert scheduler.config.policy == "priority"       # a Scheduler of its own plans
     finally:
         scheduler.close()
+
+
+def test_data_parallel_only_settings_are_named_where_set():
+    assert Config().data_parallel_only() == []
+    config = Config(grad_reduce_dtype="bfloat16", group_bytes=1 << 20, plan_forward=False,
+                    partition_bytes=1 << 20)
+    assert config.data_parallel_only() == [
+        "COMMSCHED_GROUP_BYTES", "COMMSCHED_GRAD_REDUCE_DTYPE", "COMMSCHED_PLAN_FORWARD"]
+    with pytest.warns(UserWarning) as caught:
+        warn_data_parallel_only(Config(sparse_embedding_rows=5), "DDP hook")
+    assert [str(w.message) for w in caught] == [
+        "commsched DDP hook: COMMSCHED_SPARSE_EMBEDDING_ROWS is read by the data-parallel "
+        "mode (commsched.wrap) only and ignored here"]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_data_parallel_only(Config(partition_bytes=4 << 20), "DDP hook")

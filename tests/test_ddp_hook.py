@@ -129,3 +129,22 @@ def _bucket_priorities_follow_forward_order(rank, world):
 
 def test_bucket_priorities_follow_forward_order():
     run_workers(_bucket_priorities_follow_forward_order, 2, timeout=90)
+
+
+def _dp_only_settings_warn(rank, world):
+    import warnings
+
+    ddp = DDP(Net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        commsched.hooks.register(ddp, Config(grad_reduce_dtype="bfloat16")).close()
+        commsched.hooks.register(DDP(Net()), Config(partition_bytes=1 << 20)).close()
+    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    assert messages == ["commsched DDP hook: COMMSCHED_GRAD_REDUCE_DTYPE is read by the "
+                        "data-parallel mode (commsched.wrap) only and ignored here"], messages
+    # (pointing at the caller of register)
+    assert [w.filename for w in caught if w.category is UserWarning] == [__file__]
+
+
+def test_the_hook_warns_of_data_parallel_only_settings():
+    run_workers(_dp_only_settings_warn, 1, timeout=60)

@@ -66,6 +66,13 @@ def test_a_dispatch_thread_is_refused_and_nothing_is_patched():
     assert mp.is_applied()
 
 
+def test_data_parallel_only_settings_warn_and_the_patches_apply():
+    with pytest.warns(UserWarning, match=r"commsched Megatron patches: "
+                      r"COMMSCHED_GROUPS_IN_FLIGHT is read by the data-parallel mode"):
+        mp.apply(Config(groups_in_flight=3))
+    assert mp.is_applied()
+
+
 def test_supported_series_accept_patch_levels_and_local_versions():
     assert versions.check_supported(CLS, "0.16.0").series == "0.16"
     assert versions.check_supported(CLS, "0.16.1+f8837c0").series == "0.16"
