@@ -7,7 +7,6 @@ the bucket is cut, so gradients and parameters must be bitwise equal.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
