@@ -69,11 +69,15 @@ def parse_bytes(text: str, name: str) -> int:
     return value
 
 
-def _env(var: str, minimum: int = 0, maximum: int = MAX_BYTES, zero: str = "") -> dict:
-    """Field metadata: the variable, an int field's range, and, for a byte count, what 0
-    means where that is not "unbounded" (``inf`` is then refused rather than read as 0).
-    The field's description is its attribute docstring (see ``field_docs``)."""
-    return {"env": var, "min": minimum, "max": maximum, "zero": zero}
+def _env(var: str, minimum: int = 0, maximum: int = MAX_BYTES, zero: str = "",
+         data_parallel: bool = False) -> dict:
+    """Field metadata: the variable, an int field's range, for a byte count what 0 means
+    where that is not "unbounded" (``inf`` is then refused rather than read as 0), and
+    whether only the data-parallel mode reads it (the DDP hook and the Megatron patches
+    send the buckets their framework hands them). The field's description is its attribute
+    docstring (see ``field_docs``)."""
+    return {"env": var, "min": minimum, "max": maximum, "zero": zero,
+            "data_parallel": data_parallel}
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class Config:
     of whole layer groups instead (``groups_in_flight``)."""
 
     group_bytes: int = field(default=256 << 20, metadata=_env(
-        "COMMSCHED_GROUP_BYTES", zero="one layer group per module"))
+        "COMMSCHED_GROUP_BYTES", zero="one layer group per module", data_parallel=True))
     """Data-parallel mode (``commsched.wrap``): a layer group, the unit of communication
     and of optimizer update, closes at a module boundary once it holds this many bytes of
     gradients; 0: one group per module. ``wrap(group_bytes=...)`` overrides it.
@@ -117,7 +121,7 @@ class Config:
     host time per iteration, larger ones expose more of the last group's communication."""
 
     groups_in_flight: int = field(default=2, metadata=_env(
-        "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20))
+        "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
     """Data-parallel mode, decompose none, with the credit window unbounded: at most this
     many layer groups in flight, so that the first layers' group, reduced last in
     backward, overtakes the queued ones; 0: unbounded.
@@ -126,7 +130,7 @@ class Config:
     thread returns its credit and the next group is issued."""
 
     sparse_embedding_rows: int = field(default=0, metadata=_env(
-        "COMMSCHED_SPARSE_EMBEDDING_ROWS", maximum=1 << 40))
+        "COMMSCHED_SPARSE_EMBEDDING_ROWS", maximum=1 << 40, data_parallel=True))
     """Data-parallel mode, decompose none: an ``nn.Embedding`` with at least this many rows
     sends its lookup's gradient as the rows the batch touched (token ids and rows,
     all-gathered at the end of backward) instead of in the first layers' dense
@@ -140,7 +144,7 @@ class Config:
     models measured (``benchmarks/dp_rows_window_2xH200_2026-11-28.md``)."""
 
     grad_reduce_dtype: Optional[ReduceDtype] = field(default=None, metadata=_env(
-        "COMMSCHED_GRAD_REDUCE_DTYPE"))
+        "COMMSCHED_GRAD_REDUCE_DTYPE", data_parallel=True))
     """Data-parallel mode, decompose none: bfloat16 or float16 casts each layer group's
     gradients to that type for its all-reduce (half the bytes of float32 on the link) and
     back after it, as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; unset: the
@@ -162,7 +166,8 @@ class Config:
     them, and a plan there measured slower than that order in every regime
     (``benchmarks/megatron_gpt_24x1024_mb16_regimes_2xH100_2026-11-28.md``)."""
 
-    plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD"))
+    plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD",
+                                                           data_parallel=True))
     """Data-parallel mode with whole layer groups and policy priority, 0 or 1: 1 orders the
     groups so that the next forward ends soonest (a ready group may wait for one the
     forward needs earlier); 0 uses the greedy priority replay, as the other adapters do.
@@ -269,7 +274,7 @@ class Config:
         """The variables of the settings that only the data-parallel mode reads
         (``commsched.wrap``) which this config sets away from their defaults."""
         return [f.metadata["env"] for f in dataclasses.fields(self)
-                if f.name in _DATA_PARALLEL_ONLY and getattr(self, f.name) != f.default]
+                if f.metadata["data_parallel"] and getattr(self, f.name) != f.default]
 
     def replace(self, **changes) -> "Config":
         """A copy with ``changes`` applied (and validated)."""
@@ -302,12 +307,6 @@ class Config:
                 continue
             values[f.name] = _parse_field(f, var, raw)
         return cls(**values)
-
-
-# Settings read by the data-parallel mode alone: the DDP hook and the Megatron patches send
-# the buckets their framework hands them.
-_DATA_PARALLEL_ONLY = frozenset(("group_bytes", "groups_in_flight", "sparse_embedding_rows",
-                                 "grad_reduce_dtype", "plan_forward"))
 
 
 def warn_data_parallel_only(config: "Config", adapter: str, stacklevel: int = 2) -> None:

@@ -90,19 +90,18 @@ class OverlapEngine:
         self.reads_grads = reads_grads
         self.mode = update_mode(optimizer)
         self.recorder = None
-        if config.grad_reduce_dtype is not None and self.decompose != "none":
-            raise ValueError(
-                f"commsched.wrap: grad_reduce_dtype={config.grad_reduce_dtype!r} "
-                f"(COMMSCHED_GRAD_REDUCE_DTYPE) needs decompose='none', not "
-                f"{self.decompose!r}")
+        embeddings = find_sparse_embeddings(module, config.sparse_embedding_rows)
+        for name, var, used in (
+                ("grad_reduce_dtype", "COMMSCHED_GRAD_REDUCE_DTYPE",
+                 config.grad_reduce_dtype is not None),
+                ("sparse_embedding_rows", "COMMSCHED_SPARSE_EMBEDDING_ROWS", embeddings)):
+            if used and self.decompose != "none":
+                raise ValueError(f"commsched.wrap: {name}={getattr(config, name)!r} ({var}) "
+                                 f"needs decompose='none', not {self.decompose!r}")
         self.reduce_dtype = (None if config.grad_reduce_dtype is None
                              else getattr(torch, config.grad_reduce_dtype))
-        embeddings = find_sparse_embeddings(module, config.sparse_embedding_rows)
-        if embeddings and self.decompose != "none":
-            raise ValueError(
-                f"commsched.wrap: sparse_embedding_rows={config.sparse_embedding_rows} "
-                f"(COMMSCHED_SPARSE_EMBEDDING_ROWS) needs decompose='none', not "
-                f"{self.decompose!r}")
+        # Untied row-gradient weights send no all-reduce: no copy in the narrower type.
+        self._rows_only_weights = {id(m.weight) for _, m, tied in embeddings if not tied}
         self.groups, module_groups = build_groups(
             module, config.group_bytes if group_bytes is None else group_bytes,
             {id(m.weight): tied for _, m, tied in embeddings})
@@ -177,8 +176,6 @@ class OverlapEngine:
             g.sparse = SparseSlot(name, m, tied)
             if tied:
                 g.priority = -1         # backward's first, the next forward's first need
-            else:
-                g.comm = None           # (sends no all-reduce)
             self.sparse_groups.append(g)
         self.sparse_groups.sort(key=lambda g: g.index)
         self._rows_only = [g for g in self.sparse_groups if not g.sparse.tied]
@@ -199,7 +196,7 @@ class OverlapEngine:
         n = config.groups_in_flight
         if not self.windowed or not n or config.credit_bytes or config.autotune:
             return config
-        largest = max(_sent(g).numel() * _sent(g).element_size() for g in self.groups)
+        largest = max(_sent(g).nbytes for g in self.groups)
         return config.replace(credit_bytes=min(n * largest, MAX_BYTES))
 
     @property
@@ -211,7 +208,8 @@ class OverlapEngine:
     def _allocate(self) -> None:
         for g in self.groups:
             g.allocate(self.view_cls, flags=True)
-            if self.reduce_dtype is not None and _narrows(g.dtype, self.reduce_dtype):
+            if (self.reduce_dtype is not None and _narrows(g.dtype, self.reduce_dtype)
+                    and id(g.params[0]) not in self._rows_only_weights):
                 g.comm = torch.empty(g.buffer.numel(), dtype=self.reduce_dtype,
                                      device=g.device)
 
@@ -436,9 +434,7 @@ class OverlapEngine:
             g.flags.fill_(1)
         else:
             copy_flags(g.flags, self.used[g.first:g.first + len(g.params)])
-        if g.comm is not None:
-            with torch.no_grad():
-                g.comm.copy_(g.buffer)          # (in the caller's stream, before the wait)
+        self._pack(g)
         request = self.scheduler.submit(_sent(g), key=g.index, priority=g.priority,
                                         group=self.reduce_group, average=True,
                                         decompose="none",
@@ -639,6 +635,14 @@ class OverlapEngine:
             slot.apply(grad, self.world_size)
         g.params[0].grad = g.grad_views[0]
         self.clean[g.first] = False
+
+    @staticmethod
+    def _pack(g: LayerGroup) -> None:
+        """With a narrower communication type, the group's gradients into its copy in that
+        type, in the caller's stream (which the collective then follows)."""
+        if g.comm is not None:
+            with torch.no_grad(), _plain():
+                g.comm.copy_(g.buffer)
 
     @staticmethod
     def _unpack(g: LayerGroup) -> None:

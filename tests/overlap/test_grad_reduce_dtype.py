@@ -154,3 +154,21 @@ def _refused_with_rs_ag(rank, world):
 
 def test_narrow_all_reduces_are_refused_with_rs_ag():
     run_workers(_refused_with_rs_ag, 2, timeout=60)
+
+
+def test_an_untied_row_gradient_weight_gets_no_narrow_copy(world1):
+    # (its gradient goes as rows only: no all-reduce to send it in)
+    from commsched import Config
+    from commsched.overlap import wrap
+    from overlap.test_sparse_embeddings import TinyLM
+
+    net = TinyLM(False)
+    model, _ = wrap(net, _sgd(net.parameters()),
+                    Config(grad_reduce_dtype="bfloat16", sparse_embedding_rows=1,
+                           group_bytes=0))
+    engine = model._engine
+    rows = engine.sparse_groups[0]
+    assert rows.comm is None
+    assert all(g.comm is not None and g.comm.dtype is torch.bfloat16
+               for g in engine.groups if g is not rows)
+    model.close()
