@@ -120,6 +120,16 @@ class Config:
     Each group is one request per iteration: smaller groups overlap more but cost more
     host time per iteration, larger ones expose more of the last group's communication."""
 
+    first_group_bytes: int = field(default=0, metadata=_env(
+        "COMMSCHED_FIRST_GROUP_BYTES", zero="off", data_parallel=True))
+    """Data-parallel mode: the layer group holding the model's first layers closes once it
+    holds this many bytes of gradients, each next group at twice the one before, up to
+    ``group_bytes``; 0: off (every group ``group_bytes``).
+
+    The first layers' group is reduced last in backward and needed first by the next
+    forward: no compute hides its all-reduce. A smaller one shortens that wait, for a few
+    more requests per iteration."""
+
     groups_in_flight: int = field(default=2, metadata=_env(
         "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
     """Data-parallel mode, decompose none, with the credit window unbounded: at most this

@@ -39,15 +39,17 @@ ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound"
              "ddp_commsched_route_fifo", "ddp_commsched_thread", "commsched_dp",
              "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_zero",
              "commsched_dp_g4", "commsched_dp_thread", "commsched_dp_greedy",
-             "commsched_dp_fifo", "commsched_dp_rows", "commsched_dp_bf16", "commsched_dp_settle",
-             "megatron_stock", "megatron_patched")
+             "commsched_dp_fifo", "commsched_dp_rows", "commsched_dp_bf16",
+             "commsched_dp_first_unbounded", "commsched_dp_rows_first_unbounded",
+             "commsched_dp_settle", "megatron_stock", "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
 VARIANT_MODES = ("ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
                  "ddp_commsched_timed", "commsched_dp_g4", "ddp_commsched_thread", "commsched_dp_thread",
                  "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_greedy",
                  "commsched_dp_fifo",
-                 "commsched_dp_rows", "commsched_dp_bf16")
+                 "commsched_dp_rows", "commsched_dp_bf16", "commsched_dp_first_unbounded",
+                 "commsched_dp_rows_first_unbounded")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
                "throughput_unit", "ratio_to_bound")
@@ -347,7 +349,7 @@ def test_harness_rejects_bad_options_naming_the_flag():
                        (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
                        (["--dp-sweep", "4M/1M,4M/1M"], "--dp-sweep"),
                        (["--dp-sweep", "1M"], "--dp-sweep"),
-                       (["--dp-sweep", "1M/2M/3M/4M"], "--dp-sweep")):
+                       (["--dp-sweep", "1M/2M/3M/4M/5M"], "--dp-sweep")):
         proc = run_script("harness.py", ["--cpu", *args], timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
 

@@ -104,7 +104,7 @@ class OverlapEngine:
         self._rows_only_weights = {id(m.weight) for _, m, tied in embeddings if not tied}
         self.groups, module_groups = build_groups(
             module, config.group_bytes if group_bytes is None else group_bytes,
-            {id(m.weight): tied for _, m, tied in embeddings})
+            {id(m.weight): tied for _, m, tied in embeddings}, config.first_group_bytes)
         if not self.groups:
             raise ValueError("commsched.wrap: the model has no parameter that requires grad")
         devices = {g.device for g in self.groups}

@@ -144,13 +144,14 @@ class LayerGroup:
 
 
 def build_groups(module: torch.nn.Module, group_bytes: int,
-                 alone: Optional[Dict[int, bool]] = None
+                 alone: Optional[Dict[int, bool]] = None, first_bytes: int = 0
                  ) -> Tuple[List[LayerGroup], Dict[torch.nn.Module, List[int]]]:
     """Cut ``module``'s trainable parameters into layer groups, in registration order.
 
     A group is closed at a module boundary once it holds at least ``group_bytes`` bytes of
     gradient (0: one group per parameter-owning module), and whenever dtype or device
-    changes. A parameter shared by several modules belongs to the first one that registers
+    changes. ``first_bytes`` (0: off) caps the first groups instead: the first at
+    ``first_bytes``, each next one at twice the one before, up to ``group_bytes``. A parameter shared by several modules belongs to the first one that registers
     it. ``alone`` (parameter id -> last): parameters that get a group of their own, in
     place, or (``last``) after every other group. Returns the groups and, per module
     owning parameters directly, the indices of the groups those parameters belong to (for
@@ -179,9 +180,14 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
             first += len(current)
             current, current_bytes = [], 0
 
-    last = []
+    def cap() -> int:
+        # (groups of their own do not count: the sizes follow the other groups)
+        k = len(groups) - len(placed)
+        return group_bytes if not first_bytes else min(group_bytes, first_bytes << min(k, 40))
+
+    last, placed = [], []
     for run in runs:
-        if current and current_bytes >= group_bytes:
+        if current and current_bytes >= cap():
             close()
         for name, p in run:
             if id(p) in alone:
@@ -191,6 +197,7 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
                     close()
                     current.append((name, p))
                     close()
+                    placed.append(name)
                 continue
             if current and (p.dtype != current[0][1].dtype or p.device != current[0][1].device):
                 close()

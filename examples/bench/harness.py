@@ -26,8 +26,9 @@ Measurement options:
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
   suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
   telemetry on: the runs the simulator is validated on.
-* ``--dp-sweep 0/0,32M/128M,0/0/128M,...`` adds one mode per PARTITION/CREDIT pair (or
-  PARTITION/CREDIT/GROUP triple, GROUP the layer-group size) of the data-parallel mode
+* ``--dp-sweep 0/0,32M/128M,0/0/128M,0/0/256M/16M,...`` adds one mode per PARTITION/CREDIT
+  pair (or PARTITION/CREDIT/GROUP triple, GROUP the layer-group size, or with /FIRST, the
+  first layer group's size) of the data-parallel mode
   (``commsched.wrap``), telemetry off: its settings compared within one launch, interleaved
   with ``--rounds``, rather than across launches. CREDIT 0 leaves the mode its window of
   ``COMMSCHED_GROUPS_IN_FLIGHT`` layer groups (default 2).
@@ -919,6 +920,13 @@ MODES: List[Mode] = [
     Mode("commsched_dp_bf16", "6h as 6, bfloat16 all-reduces "
          "(COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16)",
          lambda bench: run_commsched_dp(bench, grad_reduce_dtype="bfloat16")),
+    Mode("commsched_dp_first_unbounded", "6k as 6e, the first layer group 16 MiB, each next "
+         "one twice the last up to the group size (COMMSCHED_FIRST_GROUP_BYTES=16MiB)",
+         lambda bench: run_commsched_dp(bench, groups_in_flight=0, first_group_bytes=16 << 20)),
+    Mode("commsched_dp_rows_first_unbounded", "6k' as 6k, embedding gradients as rows "
+         "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
+         lambda bench: run_commsched_dp(bench, groups_in_flight=0, first_group_bytes=16 << 20,
+                                        sparse_embedding_rows=16384)),
     Mode("commsched_dp_settle", "6x as 6, every layer group settled after the step "
          "(the barrier not crossed)",
          lambda bench: run_commsched_dp(bench, settle_each_step=True)),
@@ -963,8 +971,8 @@ def sweep_modes(pairs: Sequence[Tuple[int, int]]) -> List[Mode]:
 
 
 def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
-    """One mode per (partition, credit[, layer-group size]): the data-parallel mode with
-    that setting (``--dp-sweep``); without a group size, the config's."""
+    """One mode per (partition, credit[, layer-group size[, first group's size]]): the
+    data-parallel mode with that setting (``--dp-sweep``); without a size, the config's."""
     modes = []
     for partition, credit, *group in settings:
         name = f"dpsweep_p{_short_bytes(partition)}_c{_short_bytes(credit)}"
@@ -976,6 +984,10 @@ def dp_sweep_modes(settings: Sequence[Tuple[int, ...]]) -> List[Mode]:
             name += f"_g{_short_bytes(group[0])}"
             label += f", groups {_short_bytes(group[0]) if group[0] else 'per module'}"
             overrides["group_bytes"] = group[0]
+        if len(group) > 1:
+            name += f"_f{_short_bytes(group[1])}"
+            label += f", first group {_short_bytes(group[1]) if group[1] else 'as the others'}"
+            overrides["first_group_bytes"] = group[1]
 
         def run(bench: Bench, overrides=overrides):
             return run_commsched_dp(bench, **overrides)
@@ -1493,8 +1505,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "telemetry")
     parser.add_argument("--dp-sweep", default="",
                         help="comma-separated PARTITION/CREDIT byte pairs, as --sweep, or "
-                             "PARTITION/CREDIT/GROUP triples (GROUP: layer-group size): one "
-                             "data-parallel mode (commsched.wrap) each, telemetry off; "
+                             "PARTITION/CREDIT/GROUP[/FIRST] (GROUP: layer-group size, "
+                             "FIRST: the first layer group's size, COMMSCHED_FIRST_GROUP_BYTES"
+                             "): one data-parallel mode (commsched.wrap) each, telemetry off; "
                              "CREDIT 0: the mode's window of COMMSCHED_GROUPS_IN_FLIGHT "
                              "layer groups")
     parser.add_argument("--telemetry-root", default=None,
@@ -1522,7 +1535,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     sweep_names = []
     for flag, build, sizes in (("sweep", sweep_modes, (2,)),
-                               ("dp_sweep", dp_sweep_modes, (2, 3))):
+                               ("dp_sweep", dp_sweep_modes, (2, 3, 4))):
         text = getattr(args, flag)
         option = "--" + flag.replace("_", "-")
         try:
@@ -1544,11 +1557,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _parse_pair(text: str, sizes: Tuple[int, ...] = (2,)) -> Tuple[int, ...]:
-    """``PARTITION/CREDIT`` (or, where ``sizes`` allows 3, ``PARTITION/CREDIT/GROUP``)."""
+    """``PARTITION/CREDIT`` (or, where ``sizes`` allows 3 and 4,
+    ``PARTITION/CREDIT/GROUP[/FIRST]``)."""
     parts = text.split("/")
     if len(parts) not in sizes:
         raise ValueError(f"{text.strip()!r} is not PARTITION/CREDIT"
-                         + ("[/GROUP]" if 3 in sizes else ""))
+                         + ("[/GROUP[/FIRST]]" if 4 in sizes else ""))
     return tuple(parse_bytes(p) for p in parts)
 
 

@@ -53,6 +53,9 @@ def test_layer_group_size_comes_from_the_config_unless_passed(world1):
     assert groups(commsched.Config(group_bytes=0)) == 2
     assert groups(commsched.Config(group_bytes=0), group_bytes=1 << 20) == 1
     assert groups(commsched.Config(), group_bytes=0) == 2
+    # A first group of 1 byte closes after the first module; the next may hold 2 bytes.
+    assert groups(commsched.Config(first_group_bytes=1)) == 2
+    assert groups(commsched.Config(first_group_bytes=1), group_bytes=1 << 20) == 2
     net = _mlp()
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"group_bytes={bad!r}"):
