@@ -128,7 +128,10 @@ class Config:
 
     The first layers' group is reduced last in backward and needed first by the next
     forward: no compute hides its all-reduce. A smaller one shortens that wait, for a few
-    more requests per iteration."""
+    more requests per iteration. Off by default: it paid together with
+    ``groups_in_flight=0`` for a loop that waits for the device every few steps, and that
+    pair lost to the defaults for a loop that waits every step
+    (``benchmarks/dp_bf16_first_group_2xH200_2026-11-28.md``)."""
 
     groups_in_flight: int = field(default=2, metadata=_env(
         "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
