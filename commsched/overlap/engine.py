@@ -210,8 +210,7 @@ class OverlapEngine:
             g.allocate(self.view_cls, flags=True)
             if (self.reduce_dtype is not None and _narrows(g.dtype, self.reduce_dtype)
                     and id(g.params[0]) not in self._rows_only_weights):
-                g.comm = torch.empty(g.buffer.numel(), dtype=self.reduce_dtype,
-                                     device=g.device)
+                g.allocate_comm(self.reduce_dtype)
 
     def _adopt_existing_grads(self) -> None:
         with torch.no_grad(), _plain():
@@ -275,7 +274,8 @@ class OverlapEngine:
 
         With no .grad yet, autograd hands its new gradient over as .grad without a copy,
         and it is copied into the slot later, with the rest of its group's, in one
-        multi-tensor copy (see _adopt): one pass over the gradient, where accumulating
+        multi-tensor copy (see _adopt; with a narrower communication type it is cast
+        straight into the group's copy in that type instead, see _pack): one pass over the gradient, where accumulating
         into the slot would take two (zeroing it, then an add that reads it back), and
         one Python call per group rather than one per parameter. A sparse gradient
         cannot be copied into a dense slot: it is accumulated into the zeroed slot
@@ -393,8 +393,12 @@ class OverlapEngine:
         self._end_iteration()
 
     def _prepare_submit(self, g: LayerGroup) -> None:
-        """Make the buffer hold exactly this rank's contribution: .grad if defined, else 0."""
-        self._adopt(g, zero_missing=True)
+        """Make what the group sends (its buffer, or its copy in the communication type) hold
+        exactly this rank's contribution: .grad if defined, else 0."""
+        if g.comm is None:
+            self._adopt(g, zero_missing=True)
+        else:
+            self._pack(g)
         g.all_used = g.ready == len(g.params)
 
     def _adopt(self, g: LayerGroup, zero_missing: bool = False) -> None:
@@ -430,11 +434,11 @@ class OverlapEngine:
             g.all_used = True           # (its gradient is the rows: _submit_rows)
             return
         self._prepare_submit(g)
+        flags = g.flags if g.comm is None else g.comm_flags
         if g.all_used:
-            g.flags.fill_(1)
+            flags.fill_(1)
         else:
-            copy_flags(g.flags, self.used[g.first:g.first + len(g.params)])
-        self._pack(g)
+            copy_flags(flags, self.used[g.first:g.first + len(g.params)])
         request = self.scheduler.submit(_sent(g), key=g.index, priority=g.priority,
                                         group=self.reduce_group, average=True,
                                         decompose="none",
@@ -636,13 +640,31 @@ class OverlapEngine:
         g.params[0].grad = g.grad_views[0]
         self.clean[g.first] = False
 
-    @staticmethod
-    def _pack(g: LayerGroup) -> None:
-        """With a narrower communication type, the group's gradients into its copy in that
-        type, in the caller's stream (which the collective then follows)."""
-        if g.comm is not None:
-            with torch.no_grad(), _plain():
-                g.comm.copy_(g.buffer)
+    def _pack(self, g: LayerGroup) -> None:
+        """With a narrower communication type: the group's gradients cast straight into its
+        copy in that type, from wherever each one is (handed over by autograd, or in its
+        slot), 0 for a parameter without one, in one multi-tensor copy in the caller's
+        stream (which the collective then follows). The gradient buffer is written once,
+        by the cast back (_unpack), instead of once more by a copy into it first; .grad
+        becomes the slot, as with _adopt."""
+        dst, src, missing = [], [], []
+        for j, p in enumerate(g.params):
+            grad = p.grad
+            if grad is None:
+                missing.append(g.comm_grads[j])
+                continue
+            dst.append(g.comm_grads[j])
+            if grad is g.grad_views[j]:
+                src.append(g.grads[j])
+            else:
+                src.append(grad)
+                p.grad = g.grad_views[j]
+                self.clean[g.first + j] = False
+        with torch.no_grad(), _plain():
+            if dst:
+                torch._foreach_copy_(dst, src)
+            if missing:
+                torch._foreach_zero_(missing)
 
     @staticmethod
     def _unpack(g: LayerGroup) -> None:

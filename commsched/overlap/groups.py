@@ -82,8 +82,9 @@ class LayerGroup:
         "needs_gather", "grads_full", "consistent",
         # row gradients (sparse.py): the group holds one embedding weight
         "sparse", "priority",
-        # the gradients in the communication type (COMMSCHED_GRAD_REDUCE_DTYPE), or None
-        "comm",
+        # the gradients in the communication type (COMMSCHED_GRAD_REDUCE_DTYPE), or None;
+        # its per-parameter views and usage flags, as in the buffer
+        "comm", "comm_grads", "comm_flags",
     )
 
     def __init__(self, index: int, named: Sequence[Tuple[str, torch.nn.Parameter]], first: int):
@@ -123,6 +124,8 @@ class LayerGroup:
         self.sparse = None                      # SparseSlot of the group's weight
         self.priority = index                   # lower: needed earlier by the forward
         self.comm: Optional[torch.Tensor] = None
+        self.comm_grads: List[torch.Tensor] = []
+        self.comm_flags: Optional[torch.Tensor] = None
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +141,16 @@ class LayerGroup:
                       for off, p in zip(self.offsets, self.params)]
         self.grad_views = [g.as_subclass(view_cls) for g in self.grads]
         self.flags = self.buffer.narrow(0, self.padded, extra) if flags else None
+
+    def allocate_comm(self, dtype: torch.dtype) -> None:
+        """A copy of the buffer in ``dtype`` (what is sent with a narrower communication
+        type), with the same layout: per-parameter views, padding (zero, never written) and
+        flags."""
+        self.comm = torch.zeros(self.buffer.numel(), dtype=dtype, device=self.device)
+        self.comm_grads = [self.comm.narrow(0, off, p.numel()).view(p.shape)
+                           for off, p in zip(self.offsets, self.params)]
+        self.comm_flags = (None if self.flags is None
+                           else self.comm.narrow(0, self.padded, self.flags.numel()))
 
     def __repr__(self) -> str:
         return f"LayerGroup({self.index}, params={len(self.params)}, numel={self.numel})"

@@ -106,6 +106,49 @@ def test_narrow_all_reduces_on_the_schedulers_cuda_paths():
     run_workers(_on_cuda_paths, 2, "bfloat16", timeout=120)
 
 
+class _Branchy(nn.Module):
+    """``c`` is used on one rank at each step, ``d`` on none."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 32)
+        self.b, self.c, self.d = nn.Linear(32, 5), nn.Linear(32, 5), nn.Linear(32, 5)
+
+    def forward(self, x, use_c):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.c(h) if use_c else self.b(h)
+
+
+def _unused_equal_to_the_compression_hook(rank, world):
+    from commsched import Config
+    from commsched.overlap import drain, wrap
+
+    torch.manual_seed(0)
+    hooked, ours = _Branchy(), _Branchy()
+    ours.load_state_dict(hooked.state_dict())
+    ddp = DDP(hooked, find_unused_parameters=True)
+    ddp.register_comm_hook(None, _hook("bfloat16"))
+    model, opt = wrap(ours, _sgd(ours.parameters()),
+                      Config(grad_reduce_dtype="bfloat16", group_bytes=0))
+    for m, o in ((ddp, _sgd(ddp.parameters())), (model, opt)):
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            # Groups of b (ready first) wait behind c and d, submitted at the end of
+            # backward: b's gradients are held in its slots, c's and d's are missing on
+            # a rank, and the narrow copy must hold 0 for them, not the last step's.
+            nn.functional.cross_entropy(m(x, (rank + step) % 2 == 0), y).backward()
+            o.step()
+            o.zero_grad()
+    drain(model)
+    assert ours.d.weight.grad is None and torch.equal(ours.d.weight, hooked.d.weight)
+    assert _worst(ours.parameters(), hooked.parameters()) == 0.0
+    model.close()
+
+
+def test_narrow_all_reduces_with_unused_parameters_equal_ddp_with_the_hook():
+    run_workers(_unused_equal_to_the_compression_hook, 2, timeout=120)
+
+
 def _with_tied_rows(rank, world):
     from commsched import Config
     from commsched.overlap import drain, wrap
