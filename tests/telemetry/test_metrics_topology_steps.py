@@ -1,7 +1,6 @@
 """Bus factors of topology steps, and the ranks telemetry records for them."""
 
 import torch
-import torch.distributed as dist
 
 from commsched import Config, Scheduler
 from commsched.observer import Observer
