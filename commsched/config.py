@@ -50,6 +50,12 @@ _INT_RE = re.compile(r"^\s*([0-9]{1,12})\s*$", re.ASCII)
 MAX_BYTES = 1 << 40
 
 
+def _byte_count(text: str) -> Optional[re.Match]:
+    """``text`` as a number and a known unit, or None."""
+    m = _BYTES_RE.match(text)
+    return m if m and m.group(2).lower() in _BYTE_UNITS else None
+
+
 def parse_bytes(text: str, name: str) -> int:
     """Parse ``"4194304"``, ``"4MiB"``, ``"64kb"`` or ``"inf"`` into a byte count.
 
@@ -58,8 +64,8 @@ def parse_bytes(text: str, name: str) -> int:
     """
     if text.strip().lower() in ("inf", "unlimited"):
         return 0
-    m = _BYTES_RE.match(text)
-    if not m or m.group(2).lower() not in _BYTE_UNITS:
+    m = _byte_count(text)
+    if m is None:
         raise ConfigError(
             f"{name}={text!r}: expected a byte count such as 4194304, 4MiB, 512KiB, 1GiB or inf"
         )
@@ -341,8 +347,9 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
         raise ConfigError(f"{var}={raw!r}: expected 0 or 1")
     if f.name.endswith("_bytes"):
         zero = f.metadata["zero"]
-        if zero and raw.strip().lower() in ("inf", "unlimited"):
-            # parse_bytes reads "inf" as 0, which here means something else.
+        if zero and (raw.strip().lower() in ("inf", "unlimited") or _byte_count(raw) is None):
+            # parse_bytes reads "inf" as 0, which here means something else (and its
+            # message for a malformed value would offer "inf").
             raise ConfigError(f"{var}={raw!r}: expected a byte count such as 100MiB "
                               f"(0: {zero})")
         return parse_bytes(raw, var)

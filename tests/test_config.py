@@ -52,6 +52,7 @@ BAD = [
     ("COMMSCHED_TELEMETRY_NVML_PER_LINK", "2"), ("COMMSCHED_TELEMETRY_MAX_BYTES", "big"),
     # "inf" would read as 0, which for layer groups means the smallest (one per module)
     ("COMMSCHED_GROUP_BYTES", "inf"), ("COMMSCHED_GROUP_BYTES", "-1"),
+    ("COMMSCHED_FIRST_GROUP_BYTES", "inf"), ("COMMSCHED_FIRST_GROUP_BYTES", "2TiB"),
     ("COMMSCHED_GROUPS_IN_FLIGHT", "-1"), ("COMMSCHED_GROUPS_IN_FLIGHT", "one"),
     ("COMMSCHED_GROUPS_IN_FLIGHT", "1.5"), ("COMMSCHED_GROUPS_IN_FLIGHT", "inf"),
     ("COMMSCHED_GRAD_REDUCE_DTYPE", "bf16"), ("COMMSCHED_GRAD_REDUCE_DTYPE", ""),
@@ -67,6 +68,15 @@ def test_grad_reduce_dtype_is_the_gradients_own_unless_set():
         == "float16"
     with pytest.raises(ConfigError, match="grad_reduce_dtype='int8'"):
         Config(grad_reduce_dtype="int8")
+
+
+@pytest.mark.parametrize("value", ["inf", "-3", "4XB", ""])
+def test_a_byte_count_whose_zero_means_off_offers_no_inf(value):
+    with pytest.raises(ConfigError) as err:
+        Config.from_env({"COMMSCHED_FIRST_GROUP_BYTES": value})
+    assert str(err.value) == (f"COMMSCHED_FIRST_GROUP_BYTES={value!r}: expected a byte count "
+                              "such as 100MiB (0: off)")
+    assert Config.from_env({"COMMSCHED_FIRST_GROUP_BYTES": "16MiB"}).first_group_bytes == 16 << 20
 
 
 def test_group_bytes_zero_is_one_group_per_module():
