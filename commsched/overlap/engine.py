@@ -275,11 +275,11 @@ class OverlapEngine:
         With no .grad yet, autograd hands its new gradient over as .grad without a copy,
         and it is copied into the slot later, with the rest of its group's, in one
         multi-tensor copy (see _adopt; with a narrower communication type it is cast
-        straight into the group's copy in that type instead, see _pack): one pass over the gradient, where accumulating
-        into the slot would take two (zeroing it, then an add that reads it back), and
-        one Python call per group rather than one per parameter. A sparse gradient
-        cannot be copied into a dense slot: it is accumulated into the zeroed slot
-        instead, as is every gradient after the first."""
+        straight into the group's copy in that type instead, see _pack): one pass over
+        the gradient, where accumulating into the slot would take two (zeroing it, then
+        an add that reads it back), and one Python call per group rather than one per
+        parameter. A sparse gradient cannot be copied into a dense slot: it is
+        accumulated into the zeroed slot instead, as is every gradient after the first."""
         g, j = self.slot[i]
         if self._bw and g.submitted_iter == self._bw_iter:
             raise RuntimeError(

@@ -164,8 +164,9 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
     A group is closed at a module boundary once it holds at least ``group_bytes`` bytes of
     gradient (0: one group per parameter-owning module), and whenever dtype or device
     changes. ``first_bytes`` (0: off) caps the first groups instead: the first at
-    ``first_bytes``, each next one at twice the one before, up to ``group_bytes``. A parameter shared by several modules belongs to the first one that registers
-    it. ``alone`` (parameter id -> last): parameters that get a group of their own, in
+    ``first_bytes``, each next one at twice the one before, up to ``group_bytes``. A
+    parameter shared by several modules belongs to the first one that registers it.
+    ``alone`` (parameter id -> last): parameters that get a group of their own, in
     place, or (``last``) after every other group. Returns the groups and, per module
     owning parameters directly, the indices of the groups those parameters belong to (for
     the module's forward pre-hook).
