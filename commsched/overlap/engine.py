@@ -275,7 +275,7 @@ class OverlapEngine:
         With no .grad yet, autograd hands its new gradient over as .grad without a copy,
         and it is copied into the slot later, with the rest of its group's, in one
         multi-tensor copy (see _adopt; with a narrower communication type it is cast
-        straight into the group's copy in that type instead, see _pack): one pass over
+        straight into the group's copy in that type instead): one pass over
         the gradient, where accumulating into the slot would take two (zeroing it, then
         an add that reads it back), and one Python call per group rather than one per
         parameter. A sparse gradient cannot be copied into a dense slot: it is
@@ -395,35 +395,43 @@ class OverlapEngine:
     def _prepare_submit(self, g: LayerGroup) -> None:
         """Make what the group sends (its buffer, or its copy in the communication type) hold
         exactly this rank's contribution: .grad if defined, else 0."""
-        if g.comm is None:
-            self._adopt(g, zero_missing=True)
-        else:
-            self._pack(g)
+        self._adopt(g, zero_missing=True, into=None if g.comm is None else g.comm_grads)
         g.all_used = g.ready == len(g.params)
 
-    def _adopt(self, g: LayerGroup, zero_missing: bool = False) -> None:
+    def _adopt(self, g: LayerGroup, zero_missing: bool = False,
+               into: Optional[List[torch.Tensor]] = None) -> None:
         """Copy into their slots the group's gradients that are not slot views (handed
         over by autograd, or set by the caller), in one multi-tensor copy, and make .grad
-        the slot; ``zero_missing``: zero the slots of parameters without a gradient."""
+        the slot; ``zero_missing``: zero the slots of parameters without a gradient.
+
+        ``into`` (the per-parameter views of the group's copy in the communication type):
+        copy every gradient there instead, from its slot or from where it was handed
+        over, cast in the same copy, and zero there every missing one. The slots are
+        then written once, by the cast back (_unpack), not once more before it."""
         first = g.first
-        slots, grads, stale = [], [], []
+        dst, src, zero = [], [], []
         for j, p in enumerate(g.params):
             grad = p.grad
             if grad is None:
-                if zero_missing and not self.clean[first + j]:
-                    stale.append(g.grads[j])
+                if into is not None:
+                    zero.append(into[j])
+                elif zero_missing and not self.clean[first + j]:
+                    zero.append(g.grads[j])
                     self.clean[first + j] = True
             elif grad is not g.grad_views[j]:
-                slots.append(g.grads[j])
-                grads.append(grad)
+                dst.append(g.grads[j] if into is None else into[j])
+                src.append(grad)
                 p.grad = g.grad_views[j]
                 self.clean[first + j] = False
-        if slots or stale:
+            elif into is not None:
+                dst.append(into[j])
+                src.append(g.grads[j])
+        if dst or zero:
             with torch.no_grad(), _plain():
-                if slots:
-                    torch._foreach_copy_(slots, grads)
-                if stale:
-                    torch._foreach_zero_(stale)
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                if zero:
+                    torch._foreach_zero_(zero)
 
     def _submit(self, g: LayerGroup) -> None:
         if g.request is not None or g.actions:
@@ -639,32 +647,6 @@ class OverlapEngine:
             slot.apply(grad, self.world_size)
         g.params[0].grad = g.grad_views[0]
         self.clean[g.first] = False
-
-    def _pack(self, g: LayerGroup) -> None:
-        """With a narrower communication type: the group's gradients cast straight into its
-        copy in that type, from wherever each one is (handed over by autograd, or in its
-        slot), 0 for a parameter without one, in one multi-tensor copy in the caller's
-        stream (which the collective then follows). The gradient buffer is written once,
-        by the cast back (_unpack), instead of once more by a copy into it first; .grad
-        becomes the slot, as with _adopt."""
-        dst, src, missing = [], [], []
-        for j, p in enumerate(g.params):
-            grad = p.grad
-            if grad is None:
-                missing.append(g.comm_grads[j])
-                continue
-            dst.append(g.comm_grads[j])
-            if grad is g.grad_views[j]:
-                src.append(g.grads[j])
-            else:
-                src.append(grad)
-                p.grad = g.grad_views[j]
-                self.clean[g.first + j] = False
-        with torch.no_grad(), _plain():
-            if dst:
-                torch._foreach_copy_(dst, src)
-            if missing:
-                torch._foreach_zero_(missing)
 
     @staticmethod
     def _unpack(g: LayerGroup) -> None:

@@ -196,10 +196,10 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
 
     def cap() -> int:
         # (groups of their own do not count: the sizes follow the other groups)
-        k = len(groups) - len(placed)
+        k = len(groups) - placed
         return group_bytes if not first_bytes else min(group_bytes, first_bytes << min(k, 40))
 
-    last, placed = [], []
+    last, placed = [], 0
     for run in runs:
         if current and current_bytes >= cap():
             close()
@@ -211,7 +211,7 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
                     close()
                     current.append((name, p))
                     close()
-                    placed.append(name)
+                    placed += 1
                 continue
             if current and (p.dtype != current[0][1].dtype or p.device != current[0][1].device):
                 close()
