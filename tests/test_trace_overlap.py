@@ -152,3 +152,44 @@ def test_comm_timeline_gives_launch_start_and_link_idle(tmp_path, capsys):
     assert ("ncclDevKernel_AllReduce_Sum_f32_RING_LL: launched at 0.02 by thread 6, "
             "ran 0.10 + 0.03 ms, link idle 0.03 ms before") in text
     assert "launch call not in the trace, ran 0.12 + 0.01 ms" in text
+
+
+def test_idle_split_into_host_late_and_dependency(tmp_path, capsys):
+    # Device 0, microseconds:
+    #   a [0,10)    launched at -5 (returned -4)
+    #   b [30,40)   its launch call ran [20,22): idle [10,30) = host late 12 + dependency 8
+    #   c [50,60)   launched at 5, long before: idle [40,50) = dependency 10
+    #   nccl [55,70) on another stream: no idle
+    #   d [80,90)   no launch call in the trace: idle [70,80) unknown 10
+    # idle 40 = span 90 - busy 50, the same total as analyse()'s.
+    def launched(e, corr):
+        e["args"]["correlation"] = corr
+        return e
+
+    def call(ts, dur, corr, tid=5):
+        return {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernel", "ts": ts,
+                "dur": dur, "tid": tid, "args": {"correlation": corr}}
+
+    events = [launched(kernel("a", 0, 10), 1), launched(kernel("b", 30, 10), 2),
+              launched(kernel("c", 50, 10), 3),
+              launched(kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 55, 15, stream=20), 4),
+              kernel("d", 80, 10), launched(kernel("e", 0, 500, device=1), 6)]
+    calls = [call(-5, 1, 1), call(20, 2, 2, tid=9), call(5, 1, 3), call(6, 1, 4),
+             call(0, 1, 6)]
+    path = write(tmp_path / "t.json.gz", events + calls)
+    gpu, host_events = trace_overlap.load_trace(path)
+    r = trace_overlap.idle_causes(gpu, host_events, device=0, top=2)
+    assert r["host_late_ms"] == pytest.approx(0.012)
+    assert r["dependency_ms"] == pytest.approx(0.018)
+    assert r["unknown_ms"] == pytest.approx(0.010)
+    total = r["host_late_ms"] + r["dependency_ms"] + r["unknown_ms"]
+    assert total == pytest.approx(trace_overlap.analyse(gpu, device=0, gaps=1)["idle_ms"])
+    assert [(s["ms"], s["at_ms"], s["tid"], s["next"]) for s in r["host_late"]] == [
+        pytest.approx((0.012, 0.010, 9, "b"))]
+    assert [(s["ms"], s["at_ms"], s["next"]) for s in r["dependency"]] == [
+        pytest.approx((0.010, 0.040, "c")), pytest.approx((0.008, 0.010, "b"))]
+    assert trace_overlap.main([path, "--iters", "1", "--idle", "--device", "0"]) == 0
+    text = capsys.readouterr().out
+    assert ("idle: host late 0.01 ms, dependency 0.02 ms, unknown 0.01 ms per iteration"
+            in text)
+    assert "host late 0.012 ms at 0.01 (thread 9) -> b" in text

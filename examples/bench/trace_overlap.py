@@ -1,7 +1,7 @@
 """Where a profiled window's GPU time goes: compute, communication, their overlap, idle.
 
     python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8] [--host 8]
-        [--comm]
+        [--comm] [--idle]
 
 Reads Chrome traces written by torch.profiler (the harness writes them with
 ``BENCH_PROFILE=DIR``, megatron_e2e.py with ``--profile-dir``) and prints, per trace, per
@@ -23,6 +23,11 @@ profiled iteration (``--iters``: the harness's ``BENCH_WINDOW``, 3 for megatron_
   the iteration the device waits: the forward's launches, the backward's, its end);
 * the longest compute gaps (no compute on the GPU), with the kernels around them and how
   much of each gap communication filled;
+* with ``--idle``: each stretch where the GPU ran nothing, split by the launch call of the
+  activity that ends it: up to the end of that call the device waited for the host (host
+  late), after it for something already queued (a stream waiting for an event: a
+  dependency); per iteration, with the longest stretches of each kind and the host thread
+  that was late;
 * with ``--host N``: per host thread, the CUDA runtime and driver calls it made per
   iteration (count and time) and its N most frequent ones: what a mode adds to the
   threads that launch the work (a profile recorded with CUDA activity has these calls
@@ -110,6 +115,49 @@ def comm_timeline(events: List[dict], calls: List[dict], device: int) -> List[Di
             "idle_before_ms": 0.0 if last_end is None else max(0.0, start - last_end) / 1e3})
         last_end = end if last_end is None else max(last_end, end)
     return rows
+
+
+def idle_causes(events: List[dict], calls: List[dict], device: int,
+                top: int) -> Dict[str, object]:
+    """Every stretch where ``device`` ran nothing, split by the launch call of the activity
+    that ends it: until that call returned the device waited for the host ("host late"),
+    after it for work already queued ("dependency": a stream wait, an event). A stretch
+    whose next activity has no launch call in the trace counts as unknown. Totals in ms,
+    and the ``top`` longest stretches of each kind (ms from the first activity, the late
+    host thread)."""
+    events = sorted((e for e in events if e.get("args", {}).get("device", device) == device),
+                    key=lambda e: float(e["ts"]))
+    launches = {e["args"]["correlation"]: e for e in calls
+                if "correlation" in e.get("args", {})}
+    origin = float(events[0]["ts"]) if events else 0.0
+    totals = {"host_late_ms": 0.0, "dependency_ms": 0.0, "unknown_ms": 0.0}
+    stretches: Dict[str, List[Tuple[float, float, object, str]]] = defaultdict(list)
+    busy_until = None
+    for e in events:
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            call = launches.get(e.get("args", {}).get("correlation"))
+            if call is None:
+                totals["unknown_ms"] += gap / 1e3
+            else:
+                returned = float(call["ts"]) + float(call.get("dur", 0))
+                late = min(gap, max(0.0, returned - busy_until))
+                totals["host_late_ms"] += late / 1e3
+                totals["dependency_ms"] += (gap - late) / 1e3
+                if late > 0:
+                    stretches["host_late"].append((late / 1e3, (busy_until - origin) / 1e3,
+                                                   call.get("tid"), e["name"][:40]))
+                if gap > late:
+                    stretches["dependency"].append(((gap - late) / 1e3,
+                                                    (busy_until - origin) / 1e3, None,
+                                                    e["name"][:40]))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    result: Dict[str, object] = dict(totals)
+    for kind in ("host_late", "dependency"):
+        result[kind] = [{"ms": ms, "at_ms": at, "tid": tid, "next": name}
+                        for ms, at, tid, name in sorted(stretches[kind], reverse=True)[:top]]
+    return result
 
 
 def is_comm(event: dict) -> bool:
@@ -233,6 +281,16 @@ def report(path: str, result: Dict[str, object], iters: int) -> str:
                   f"launched at {c['launch_ms']:.2f} by thread {c['tid']}")
         lines.append(f"  {c['name']}: {launch}, ran {c['start_ms']:.2f} + {c['dur_ms']:.2f} ms,"
                      f" link idle {c['idle_before_ms']:.2f} ms before")
+    idle = result.get("idle")
+    if idle is not None:
+        lines.append(f"  idle: host late {idle['host_late_ms'] / iters:.2f} ms, dependency "
+                     f"{idle['dependency_ms'] / iters:.2f} ms, unknown "
+                     f"{idle['unknown_ms'] / iters:.2f} ms per iteration")
+        for kind in ("host_late", "dependency"):
+            for s in idle[kind]:
+                by = f" (thread {s['tid']})" if s["tid"] is not None else ""
+                lines.append(f"    {kind.replace('_', ' ')} {s['ms']:.3f} ms at "
+                             f"{s['at_ms']:.2f}{by} -> {s['next']}")
     for t in result.get("host", []):
         lines.append(f"  host thread {t['tid']}: {t['calls']:.0f} CUDA calls ({t['ms']:.2f} ms): "
                      + ", ".join(f"{name} {n:.0f}" for name, n in t["top"]))
@@ -253,6 +311,9 @@ def main(argv=None) -> int:
     parser.add_argument("--comm", action="store_true",
                         help="every NCCL kernel: launched when and by which host thread, "
                              "started when, and the link's idle time before it")
+    parser.add_argument("--idle", action="store_true",
+                        help="split the GPU's idle time into waiting for the host and "
+                             "waiting for a dependency, with the longest stretches of each")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.iters < 1:
@@ -276,6 +337,8 @@ def main(argv=None) -> int:
             results[path]["host"] = host_calls(calls, args.iters, args.host)
         if args.comm:
             results[path]["comm"] = comm_timeline(events, calls, device)
+        if args.idle:
+            results[path]["idle"] = idle_causes(events, calls, device, args.gaps)
         print(report(path, results[path], args.iters))
     if args.json:
         with open(args.json, "w") as f:
