@@ -134,10 +134,10 @@ class Config:
 
     The first layers' group is reduced last in backward and needed first by the next
     forward: no compute hides its all-reduce. A smaller one shortens that wait, for a few
-    more requests per iteration. Off by default: it paid together with
-    ``groups_in_flight=0`` for a loop that waits for the device every few steps, and that
-    pair lost to the defaults for a loop that waits every step
-    (``benchmarks/dp_bf16_first_group_2xH200_2026-11-28.md``)."""
+    more requests per iteration. Off by default: together with ``groups_in_flight=0`` it
+    paid where the all-reduces keep up with backward (bfloat16 all-reduces, NVLink), and
+    that pair lost to the defaults where they do not (float32 over the host path on a
+    communication-bound model; ``benchmarks/dp_regimes_2xH200_2026-11-28.md``)."""
 
     groups_in_flight: int = field(default=2, metadata=_env(
         "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
