@@ -216,8 +216,8 @@ def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
 @pytest.fixture(scope="module")
 def harness_options_run(tmp_path_factory):
     """World size 3, two interleaved rounds, a two-point sweep and a two-point sweep of the
-    data-parallel mode, telemetry kept, a profiled window per mode (BENCH_PROFILE), CPU
-    per thread (BENCH_THREADS)."""
+    data-parallel mode, telemetry kept, a profiled window per mode with Python stacks
+    (BENCH_PROFILE, BENCH_PROFILE_STACKS), CPU per thread (BENCH_THREADS)."""
     tmp = tmp_path_factory.mktemp("bench_options")
     out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
@@ -227,7 +227,8 @@ def harness_options_run(tmp_path_factory):
                                      "--dp-sweep", "64K/256K,0/0,0/0/0",
                                      "--telemetry-root", str(root),
                                      "--timeout", "200", "--out", str(out)], timeout=240,
-                      env={"BENCH_PROFILE": str(traces), "BENCH_THREADS": "1"})
+                      env={"BENCH_PROFILE": str(traces), "BENCH_PROFILE_STACKS": "1",
+                           "BENCH_THREADS": "1"})
     document = json.loads(out.read_text()) if out.exists() else None
     return proc, document, root, traces
 
@@ -322,6 +323,16 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     # A CPU trace of a window of training steps: the model's operators are in it.
     names = {e.get("name") for e in events if e.get("ph") == "X"}
     assert {"aten::linear", "aten::embedding"} <= names, sorted(names)[:40]
+    # With Python stacks: the training step's own frames, which trace_overlap.py --python
+    # ranks by self time on the training thread.
+    python = [e["name"] for e in events if e.get("cat") == "python_function"]
+    assert any(name.endswith(": step") and "harness.py" in name for name in python), python[:20]
+    sys.path.insert(0, str(BENCH))
+    import trace_overlap
+    [thread] = [t for t in trace_overlap.python_self_time(
+        [e for e in events if e.get("ph") == "X"], iters=1, top=100000)
+        if any("harness.py" in name for name, _, _ in t["top"])]
+    assert thread["ms"] > 0 and all(ms >= 0 for _, ms, _ in thread["top"]), thread
 
 
 def test_dp_nccl_options_adds_its_modes_to_the_harness_and_says_na_without_nccl(tmp_path):

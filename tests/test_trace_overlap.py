@@ -193,3 +193,37 @@ def test_idle_split_into_host_late_and_dependency(tmp_path, capsys):
     assert ("idle: host late 0.01 ms, dependency 0.02 ms, unknown 0.01 ms per iteration"
             in text)
     assert "host late 0.012 ms at 0.01 (thread 9) -> b" in text
+
+
+def test_python_self_time_per_thread(tmp_path, capsys):
+    # Thread 5, two iterations, microseconds:
+    #   A [0,100) id 1: calls B [10,40) id 2 (which calls D [15,25) id 4) and C [50,65) id 3
+    #   self: A 100-30-15 = 55, B 30-10 = 20, C (two calls) 15, D 10; outermost frames 100
+    # Thread 6: E [0,50) id 1 (same Python id as A, another thread): self 50.
+    # Two calls of one bound method on different objects count as one function.
+    def fn(name, ts, dur, pid_, parent, tid=5):
+        return {"ph": "X", "cat": "python_function", "name": name, "ts": ts, "dur": dur,
+                "tid": tid, "args": {"Python id": pid_, "Python parent id": parent}}
+
+    events = [fn("a.py(1): A", 0, 100, 1, None), fn("a.py(2): B", 10, 30, 2, 1),
+              fn("<built-in method sum of Tensor object at 0x7f01>", 50, 8, 3, 1),
+              fn("<built-in method sum of Tensor object at 0x7f02>", 58, 7, 5, 1),
+              fn("a.py(4): D", 15, 10, 4, 2), fn("b.py(1): E", 0, 50, 1, None, tid=6),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 12, "dur": 5, "tid": 5}]
+    threads = trace_overlap.python_self_time(events, iters=2, top=3)
+    assert [t["tid"] for t in threads] == [5, 6]
+    assert threads[0]["ms"] == pytest.approx(0.050)
+    assert [(name, ms, n) for name, ms, n in threads[0]["top"]] == [
+        ("a.py(1): A", pytest.approx(0.0275), 0.5), ("a.py(2): B", pytest.approx(0.010), 0.5),
+        ("<built-in method sum of Tensor object>", pytest.approx(0.0075), 1.0)]
+    assert threads[1]["top"] == [("b.py(1): E", pytest.approx(0.025), 0.5)]
+    # A trace without GPU activity (a CPU run): --python still reports it.
+    path = write(tmp_path / "cpu.json.gz", events)
+    assert trace_overlap.main([path, "--iters", "2", "--python", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "python on thread 5: 0.05 ms at its outermost frames" in text
+    assert "    0.028 ms in 0.5 calls: a.py(1): A" in text        # per iteration
+    assert "a.py(2): B" not in text                                 # --python 1: the top one
+    assert trace_overlap.main([path, "--iters", "2"]) == 1
+    with pytest.raises(SystemExit):
+        trace_overlap.main([path, "--python", "-1"])

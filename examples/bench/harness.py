@@ -551,9 +551,14 @@ class Bench:
         while path.exists():
             n += 1
             path = directory / f"{stem}_r{n}.json.gz"
-        activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+        # BENCH_PROFILE_STACKS=1: every operator on the CPU too, with Python stacks, for
+        # trace_overlap.py --python (which Python functions a thread's time goes to); it
+        # slows the host, so a host-bound window's GPU figures are not read from such a trace.
+        stacks = os.environ.get("BENCH_PROFILE_STACKS") == "1"
+        activities = ([ProfilerActivity.CUDA] if self.cuda else []) + (
+            [ProfilerActivity.CPU] if stacks or not self.cuda else [])
         self.sync()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=stacks) as prof:
             for _ in range(window):
                 step()
             if quiesce is not None:

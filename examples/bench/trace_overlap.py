@@ -1,7 +1,7 @@
 """Where a profiled window's GPU time goes: compute, communication, their overlap, idle.
 
     python examples/bench/trace_overlap.py TRACE.json.gz [...] [--iters 4] [--gaps 8] [--host 8]
-        [--comm] [--idle]
+        [--comm] [--idle] [--python 20]
 
 Reads Chrome traces written by torch.profiler (the harness writes them with
 ``BENCH_PROFILE=DIR``, megatron_e2e.py with ``--profile-dir``) and prints, per trace, per
@@ -32,6 +32,9 @@ profiled iteration (``--iters``: the harness's ``BENCH_WINDOW``, 3 for megatron_
   iteration (count and time) and its N most frequent ones: what a mode adds to the
   threads that launch the work (a profile recorded with CUDA activity has these calls
   even without CPU operators).
+* with ``--python N`` (a trace recorded with Python stacks, ``BENCH_PROFILE_STACKS=1``): per
+  host thread, the N Python functions with the most self time per iteration (a call's
+  duration less its Python callees'): where a thread's host time goes, by function;
 * with ``--comm``: every NCCL kernel in device order, when its launch call was made on the
   host and by which thread, when it started on the device and for how long, and how long
   the link had been idle since the previous one ended: the order the collectives were
@@ -46,6 +49,7 @@ import argparse
 import bisect
 import gzip
 import json
+import re
 import sys
 from collections import defaultdict
 from typing import Dict, List, Sequence, Tuple
@@ -59,15 +63,24 @@ Interval = Tuple[float, float]
 HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
-def load_trace(path: str) -> Tuple[List[dict], List[dict]]:
-    """The trace's GPU activities and its host-side CUDA runtime/driver calls."""
+def load_complete(path: str) -> List[dict]:
+    """Every complete event ("ph": "X") of a Chrome trace, gzipped or not."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    complete = [e for e in events if e.get("ph") == "X"]
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def split_trace(complete: List[dict]) -> Tuple[List[dict], List[dict]]:
+    """A trace's GPU activities and its host-side CUDA runtime/driver calls."""
     return ([e for e in complete if e.get("cat") in GPU_CATEGORIES and e.get("dur", 0) > 0],
             [e for e in complete if e.get("cat") in HOST_CATEGORIES])
+
+
+def load_trace(path: str) -> Tuple[List[dict], List[dict]]:
+    """The trace's GPU activities and its host-side CUDA runtime/driver calls."""
+    return split_trace(load_complete(path))
 
 
 def load_events(path: str) -> List[dict]:
@@ -89,6 +102,41 @@ def host_calls(calls: List[dict], iters: int, top: int) -> List[Dict[str, object
             "top": [(name, len(d) / iters) for name, d in
                     sorted(names.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]]})
     threads.sort(key=lambda t: -t["calls"])
+    return threads
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def python_self_time(complete: List[dict], iters: int, top: int) -> List[Dict[str, object]]:
+    """Per host thread (most Python time first), from a trace recorded with Python stacks
+    (``with_stack=True``; the harness's ``BENCH_PROFILE_STACKS=1``): its Python functions'
+    self time per iteration, i.e. each call's duration less its Python callees' (what the
+    function spent in its own frame and in the C++ it called directly), the ``top`` largest
+    with their calls per iteration, and the thread's Python time at its outermost frames."""
+    calls = [e for e in complete if e.get("cat") == "python_function"]
+    children: Dict[object, float] = defaultdict(float)
+    for e in calls:
+        parent = e.get("args", {}).get("Python parent id")
+        if parent is not None:
+            children[(e.get("tid"), parent)] += float(e.get("dur", 0))
+    by_thread: Dict[object, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
+    outer: Dict[object, float] = defaultdict(float)
+    for e in calls:
+        args = e.get("args", {})
+        dur = float(e.get("dur", 0))
+        own = dur - children.get((e.get("tid"), args.get("Python id")), 0.0)
+        name = _ADDRESS.sub("", e["name"])          # one entry per bound method, not object
+        by_thread[e.get("tid")][name].append(max(0.0, own))
+        if args.get("Python parent id") is None:
+            outer[e.get("tid")] += dur
+    threads = []
+    for tid, names in by_thread.items():
+        ranked = sorted(names.items(), key=lambda kv: -sum(kv[1]))
+        threads.append({
+            "tid": tid, "ms": outer[tid] / 1e3 / iters,
+            "top": [(name, sum(d) / 1e3 / iters, len(d) / iters) for name, d in ranked[:top]]})
+    threads.sort(key=lambda t: -t["ms"])
     return threads
 
 
@@ -261,6 +309,16 @@ def analyse(events: List[dict], device: int, gaps: int) -> Dict[str, object]:
     }
 
 
+def python_lines(threads: List[Dict[str, object]]) -> List[str]:
+    lines = []
+    for t in threads:
+        lines.append(f"  python on thread {t['tid']}: {t['ms']:.2f} ms at its outermost frames;"
+                     " most self time:")
+        for name, ms, n in t["top"]:
+            lines.append(f"    {ms:.3f} ms in {n:g} calls: {name[:90]}")
+    return lines
+
+
 def report(path: str, result: Dict[str, object], iters: int) -> str:
     per = lambda k: result[k] / iters  # noqa: E731
     lines = [f"{path}: per iteration (window of {iters})",
@@ -291,6 +349,7 @@ def report(path: str, result: Dict[str, object], iters: int) -> str:
                 by = f" (thread {s['tid']})" if s["tid"] is not None else ""
                 lines.append(f"    {kind.replace('_', ' ')} {s['ms']:.3f} ms at "
                              f"{s['at_ms']:.2f}{by} -> {s['next']}")
+    lines += python_lines(result.get("python", []))
     for t in result.get("host", []):
         lines.append(f"  host thread {t['tid']}: {t['calls']:.0f} CUDA calls ({t['ms']:.2f} ms): "
                      + ", ".join(f"{name} {n:.0f}" for name, n in t["top"]))
@@ -314,17 +373,29 @@ def main(argv=None) -> int:
     parser.add_argument("--idle", action="store_true",
                         help="split the GPU's idle time into waiting for the host and "
                              "waiting for a dependency, with the longest stretches of each")
+    parser.add_argument("--python", type=int, default=0, metavar="N",
+                        help="per host thread, its N Python functions with the most self time "
+                             "per iteration (a trace with Python stacks: BENCH_PROFILE_STACKS=1; "
+                             "0: off)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.iters < 1:
         parser.error("--iters must be >= 1")
     if args.host < 0:
         parser.error("--host must be >= 0")
+    if args.python < 0:
+        parser.error("--python must be >= 0")
     results = {}
     for path in args.traces:
-        events, calls = load_trace(path)
+        complete = load_complete(path)
+        events, calls = split_trace(complete)
         if not events:
             print(f"{path}: no GPU activity in the trace", file=sys.stderr)
+            if args.python:     # a CPU run's trace: its Python time alone
+                results[path] = {"python": python_self_time(complete, args.iters,
+                                                            args.python)}
+                print("\n".join([f"{path}: per iteration (window of {args.iters})"]
+                                + python_lines(results[path]["python"])))
             continue
         device = args.device
         if device is None:
@@ -339,6 +410,8 @@ def main(argv=None) -> int:
             results[path]["comm"] = comm_timeline(events, calls, device)
         if args.idle:
             results[path]["idle"] = idle_causes(events, calls, device, args.gaps)
+        if args.python:
+            results[path]["python"] = python_self_time(complete, args.iters, args.python)
         print(report(path, results[path], args.iters))
     if args.json:
         with open(args.json, "w") as f:
