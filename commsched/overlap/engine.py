@@ -73,6 +73,9 @@ class OverlapEngine:
 
     decompose = "none"
     windowed = True     # groups_in_flight applies (see _lane_config)
+    # A module's forward pre-hook is installed only while one of its groups has a request
+    # or actions pending (see _arm): with none, the forward runs without hooks.
+    lazy_forward_hooks = True
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  config: Config, group=None, *, group_bytes: Optional[int] = None,
@@ -167,6 +170,11 @@ class OverlapEngine:
         self._fresh = False     # no module of the current wrapped forward has run yet
         self._warned = set()
         self._hooks = []
+        # Forward pre-hooks (_arm): per module [module, hook, handle or None, groups armed
+        # among its own]; per group, its modules' entries; whether each group is armed.
+        self._module_hooks: List[list] = []
+        self._group_modules: List[List[list]] = [[] for _ in self.groups]
+        self._armed = [False] * len(self.groups)
         # Row gradients (sparse.py), in group order: their all-gathers go at the end of
         # every backward, after the groups, in this order on every rank. ``_rows_only``:
         # the untied ones, whose groups send no dense all-reduce.
@@ -257,13 +265,53 @@ class OverlapEngine:
                 bind(self._grad_post_hook, i)))
         for m, idx in module_groups.items():
             groups = [self.groups[k] for k in idx]
-            self._hooks.append(m.register_forward_pre_hook(
-                bind(self._forward_pre_hook, groups), prepend=True))
+            hook = bind(self._forward_pre_hook, groups)
+            if not self.lazy_forward_hooks:
+                self._hooks.append(m.register_forward_pre_hook(hook, prepend=True))
+                continue
+            entry = [m, hook, None, 0]
+            self._module_hooks.append(entry)
+            for k in idx:
+                self._group_modules[k].append(entry)
+
+    def _arm(self, g: LayerGroup) -> None:
+        """``g`` has a request or actions pending: its modules' forward pre-hooks must run
+        before their next forward (they settle it there).
+
+        Installed only then and removed once it settled (_disarm): a module with a
+        forward pre-hook takes nn.Module's slower call path and a Python call at every
+        forward, which in a forward that the host issues just ahead of the device is the
+        device's time. Groups settle at step() when their requests are due (see _due),
+        before the forward; only those still pending keep hooks into it."""
+        if self._armed[g.index]:
+            return
+        self._armed[g.index] = True
+        for entry in self._group_modules[g.index]:
+            entry[3] += 1
+            if entry[3] == 1:
+                entry[2] = entry[0].register_forward_pre_hook(entry[1], prepend=True)
+
+    def _disarm(self, g: LayerGroup) -> None:
+        """``g`` settled (no request, no actions): its modules lose the forward pre-hook
+        unless another of their groups still needs it."""
+        if not self._armed[g.index] or g.request is not None or g.actions:
+            return
+        self._armed[g.index] = False
+        for entry in self._group_modules[g.index]:
+            entry[3] -= 1
+            if entry[3] == 0:
+                entry[2].remove()
+                entry[2] = None
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for entry in self._module_hooks:
+            if entry[2] is not None:
+                entry[2].remove()
+            entry[2:] = [None, 0]
+        self._armed = [False] * len(self.groups)
         for g in self.sparse_groups:
             g.sparse.module.__dict__.pop("forward", None)     # the class's forward again
 
@@ -457,6 +505,7 @@ class OverlapEngine:
             g.sparse.requests = [request]
         else:
             g.request = request
+            self._arm(g)
 
     def _submit_rows(self) -> None:
         """End of backward: all-gather each row-gradient weight's token ids and rows (the
@@ -481,6 +530,7 @@ class OverlapEngine:
                                        op="all_gather", group=self.reduce_group)
             slot.requests.append(submit(slot.ids_all, key=("ids", g.index)))
             g.request = submit(slot.rows_all, key=("rows", g.index))
+            self._arm(g)
 
     def _agree_tokens(self, g: LayerGroup, tokens: int) -> None:
         """First backward: every rank's token count, all-gathered and read on the host
@@ -514,8 +564,10 @@ class OverlapEngine:
 
     # ---- forward (training thread) --------------------------------------------------------
     def _forward_pre_hook(self, groups: List[LayerGroup], module, args) -> None:
-        # The first pre-hook of a wrapped forward runs before any module used a parameter:
-        # there, and only there, other groups' ready updates may run early, batched.
+        # The first pre-hook of a wrapped forward runs before any module used a parameter
+        # of a group with pending actions (those of modules that ran before it, without a
+        # hook, had all settled): there, and only there, other groups' ready updates may
+        # run early, batched.
         fresh, self._fresh = self._fresh, False
         for g in groups:
             if g.request is not None or g.actions:
@@ -547,6 +599,7 @@ class OverlapEngine:
             self._after_comm(g)
         while g.actions:
             self._run(g, g.actions.pop(0))
+        self._disarm(g)
 
     def _settle_with_ready(self, g: LayerGroup) -> None:
         """Settle ``g`` together with every other group with pending actions whose request
@@ -610,6 +663,8 @@ class OverlapEngine:
                     else:
                         zeros.setdefault(arg, []).append(g)
             if not updates and not zeros:
+                for g in groups:
+                    self._disarm(g)
                 return
             for record, gs in updates.values():
                 self._run_updates(record, gs)
@@ -748,6 +803,9 @@ class OverlapEngine:
                 ready.append(g)
         if ready:
             self._settle_groups(ready)
+        for g in self.groups:
+            if g.actions:
+                self._arm(g)
 
     # ---- optimizer entry points (training thread) ------------------------------------------
     def step(self, kwargs: dict) -> None:

@@ -61,6 +61,7 @@ class ZeroEngine(OverlapEngine):
 
     decompose = "rs_ag"
     windowed = False    # groups_in_flight does not apply (measured for all-reduces only)
+    lazy_forward_hooks = False  # the forward's first pre-hook runs the round (Invariant 2)
 
     @property
     def whole_groups(self) -> bool:

@@ -171,3 +171,52 @@ def test_checkpoint_round_trip_continues_identically(world1, decompose):
     finally:
         a.close()
         b.close()
+
+
+def _engine_pre_hooks(module):
+    return [h for h in module._forward_pre_hooks.values()
+            if getattr(getattr(h, "func", None), "__name__", "") == "_forward_pre_hook"]
+
+
+@pytest.mark.parametrize("decompose", ["none", "rs_ag"])
+def test_forward_pre_hooks_only_while_a_group_is_pending(world1, decompose):
+    """A module carries the engine's forward pre-hook only while one of its layer groups
+    has a request or actions pending (rs_ag: always, its first pre-hook runs the round),
+    first among the module's pre-hooks; a forward without one takes nn.Module's plain
+    call path. The updates still land before each module's forward: the parameters
+    follow plain SGD on the same batches."""
+    net, ref = _mlp(), _mlp()
+    user_calls = []
+    linears = [net[0], net[2]]
+    linears[0].register_forward_pre_hook(lambda m, args: user_calls.append(1))
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                      commsched.Config(decompose=decompose), group_bytes=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    always = decompose == "rs_ag"
+    hooked = lambda: [len(_engine_pre_hooks(m)) for m in linears]  # noqa: E731
+    try:
+        assert hooked() == ([1, 1] if always else [0, 0])
+        for step in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            model(x).sum().backward()
+            ref(x).sum().backward()
+            # Both groups were submitted: pending until settled.
+            assert hooked() == [1, 1]
+            first = list(linears[0]._forward_pre_hooks.values())[0]
+            assert first.func.__name__ == "_forward_pre_hook"
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            if step == 1:
+                drain(model)
+                assert hooked() == ([1, 1] if always else [0, 0])
+        model(torch.randn(3, 4))            # settles whatever the last step left
+        assert hooked() == ([1, 1] if always else [0, 0])
+        assert len(user_calls) == 4
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q)
+    finally:
+        model.close()
+    assert hooked() == [0, 0]
+    assert len(linears[0]._forward_pre_hooks) == 1       # the user's own stays
