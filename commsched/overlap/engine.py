@@ -170,10 +170,10 @@ class OverlapEngine:
         self._fresh = False     # no module of the current wrapped forward has run yet
         self._warned = set()
         self._hooks = []
-        # Forward pre-hooks (_arm): per module [module, hook, handle or None, groups armed
-        # among its own]; per group, its modules' entries; whether each group is armed.
-        self._module_hooks: List[list] = []
-        self._group_modules: List[List[list]] = [[] for _ in self.groups]
+        # Forward pre-hooks installed while pending (_arm): per group, its modules'; and
+        # whether each group is counted in them.
+        self._module_hooks: List[_ModuleHook] = []
+        self._group_modules: List[List[_ModuleHook]] = [[] for _ in self.groups]
         self._armed = [False] * len(self.groups)
         # Row gradients (sparse.py), in group order: their all-gathers go at the end of
         # every backward, after the groups, in this order on every rank. ``_rows_only``:
@@ -269,7 +269,7 @@ class OverlapEngine:
             if not self.lazy_forward_hooks:
                 self._hooks.append(m.register_forward_pre_hook(hook, prepend=True))
                 continue
-            entry = [m, hook, None, 0]
+            entry = _ModuleHook(m, hook)
             self._module_hooks.append(entry)
             for k in idx:
                 self._group_modules[k].append(entry)
@@ -287,9 +287,7 @@ class OverlapEngine:
             return
         self._armed[g.index] = True
         for entry in self._group_modules[g.index]:
-            entry[3] += 1
-            if entry[3] == 1:
-                entry[2] = entry[0].register_forward_pre_hook(entry[1], prepend=True)
+            entry.add()
 
     def _disarm(self, g: LayerGroup) -> None:
         """``g`` settled (no request, no actions): its modules lose the forward pre-hook
@@ -298,19 +296,14 @@ class OverlapEngine:
             return
         self._armed[g.index] = False
         for entry in self._group_modules[g.index]:
-            entry[3] -= 1
-            if entry[3] == 0:
-                entry[2].remove()
-                entry[2] = None
+            entry.drop()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
         for entry in self._module_hooks:
-            if entry[2] is not None:
-                entry[2].remove()
-            entry[2:] = [None, 0]
+            entry.clear()
         self._armed = [False] * len(self.groups)
         for g in self.sparse_groups:
             g.sparse.module.__dict__.pop("forward", None)     # the class's forward again
@@ -906,6 +899,33 @@ class OverlapEngine:
     def _own_groups(self) -> list:
         return [self.reduce_group] + ([self.buffer_group] if self.buffer_group is not None
                                       else [])
+
+
+class _ModuleHook:
+    """A module's forward pre-hook, installed while at least one of its pending layer
+    groups counts on it (OverlapEngine._arm)."""
+
+    __slots__ = ("module", "hook", "handle", "pending")
+
+    def __init__(self, module: torch.nn.Module, hook) -> None:
+        self.module, self.hook = module, hook
+        self.handle = None
+        self.pending = 0            # the module's armed groups
+
+    def add(self) -> None:
+        self.pending += 1
+        if self.pending == 1:
+            self.handle = self.module.register_forward_pre_hook(self.hook, prepend=True)
+
+    def drop(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.clear()
+
+    def clear(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle, self.pending = None, 0
 
 
 def sibling_group(group):

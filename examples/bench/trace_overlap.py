@@ -149,8 +149,7 @@ def comm_timeline(events: List[dict], calls: List[dict], device: int) -> List[Di
     if not events:
         return []
     origin = min(float(e["ts"]) for e in events)
-    launches = {e["args"]["correlation"]: e for e in calls
-                if "correlation" in e.get("args", {})}
+    launches = launch_calls(calls)
     rows, last_end = [], None
     for e in sorted((e for e in events if is_comm(e)), key=lambda e: float(e["ts"])):
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
@@ -165,6 +164,12 @@ def comm_timeline(events: List[dict], calls: List[dict], device: int) -> List[Di
     return rows
 
 
+def launch_calls(calls: List[dict]) -> Dict[object, dict]:
+    """The host calls by correlation id: the call that launched a GPU activity is the one
+    with the activity's ``args.correlation``."""
+    return {e["args"]["correlation"]: e for e in calls if "correlation" in e.get("args", {})}
+
+
 def idle_causes(events: List[dict], calls: List[dict], device: int,
                 top: int) -> Dict[str, object]:
     """Every stretch where ``device`` ran nothing, split by the launch call of the activity
@@ -175,8 +180,7 @@ def idle_causes(events: List[dict], calls: List[dict], device: int,
     host thread)."""
     events = sorted((e for e in events if e.get("args", {}).get("device", device) == device),
                     key=lambda e: float(e["ts"]))
-    launches = {e["args"]["correlation"]: e for e in calls
-                if "correlation" in e.get("args", {})}
+    launches = launch_calls(calls)
     origin = float(events[0]["ts"]) if events else 0.0
     totals = {"host_late_ms": 0.0, "dependency_ms": 0.0, "unknown_ms": 0.0}
     stretches: Dict[str, List[Tuple[float, float, object, str]]] = defaultdict(list)
