@@ -314,9 +314,10 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
 @contextlib.contextmanager
 def _plans(spec: Spec, trace: Trace):
     """Record the plans the scheduler's lanes build (whether the lane feeds the next
-    forward, and the order); with ``spec.hold_first``, move the first entry of each plan
-    of whole requests to its end: the group submitted first then waits in the lane for
-    every other one, the longest hold a plan can ask for."""
+    forward, and the order); with ``spec.hold_first``, move the request profiled ready
+    first (the group submitted first) to the end of each plan of whole requests: it then
+    waits in the lane for every other one, the longest hold a plan can ask for. The plan's
+    own first entry is not necessarily that group: it depends on the profiled timings."""
     import commsched.scheduler as scheduler
     from commsched.plan import Plan
     real = scheduler.lane_plan
@@ -324,7 +325,9 @@ def _plans(spec: Spec, trace: Trace):
     def lane_plan(profile, credit_bytes, seconds_per_byte, feeds_forward=False):
         plan = real(profile, credit_bytes, seconds_per_byte, feeds_forward)
         if spec.hold_first and all(n == 1 for n in plan.layout.values()):
-            plan = Plan(plan.order[1:] + plan.order[:1], plan.layout)
+            first = min(profile, key=lambda r: r.ready_s).key
+            plan = Plan(tuple(e for e in plan.order if e[0] != first) + ((first, 0),),
+                        plan.layout)
         trace.plans.append((feeds_forward, [key for key, _ in plan.order]))
         return plan
 
