@@ -31,9 +31,9 @@ How it keeps invariant 1 (same collective sequence on every rank):
   itself only decides *when* a chunk goes). So a setting must be known, on every rank,
   before the first request of the iteration it applies to is submitted, and plans must be
   built with the window of their own iteration.
-* The tuner changes state only in ``_Lane._pump``, at two kinds of events every rank passes
-  in the same order: D(i), iteration i fully dispatched, and H(k), iteration k at the head
-  of the order (D(0) H(1) D(1) H(2) ...). It looks only at rank-invariant facts there: the
+* The tuner changes state only at two of its lane's extension points, events every rank
+  passes in the same order: D(i), iteration i fully dispatched (``dispatched``), and H(k),
+  iteration k at the head of the order (``at_head``) (D(0) H(1) D(1) H(2) ...). It looks only at rank-invariant facts there: the
   request layouts, whether an iteration ran under a plan of its layout, iteration indices,
   and values that came out of its all-reduces (identical on every rank afterwards). Timing
   enters only through those values; rank 0's readiness only changes what rank 0 sends.
@@ -42,14 +42,15 @@ How it keeps invariant 1 (same collective sequence on every rank):
   the result; the + 1 covers a submit() that read its settings just before the exchange
   (it partitions before it joins its iteration under the lock). Hence the settings of
   iteration i + 1 are final on every rank by the time iteration i ends, which is what
-  ``_note_layout`` reads to replan after a switched credit window.
+  the dispatch order reads to replan after a switched credit window.
 
 Every decision is appended to ``Scheduler.tuning_log(group)`` (and handed to an observer
 with an ``on_tuning(dict)`` method, e.g. the telemetry recorder: table ``tuning``), with the
 fields of :func:`Tuner._entry`.
 
 Example::
-    sched = commsched.Scheduler(commsched.Config(autotune=True, autotune_iters=5))
+    sched = commsched.adapter.build_scheduler(
+        commsched.Config(autotune=True, autotune_iters=5), device)
     ...  # train; then
     print(sched.tuning_log())
 """
@@ -62,11 +63,8 @@ import threading
 import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-import torch
-import torch.distributed as dist
-
 from .config import DECOMPOSITIONS
-from .observer import ChunkRecord
+from .observer import ChunkRecord, Extension, LaneInfo
 from .threads import start_thread
 
 __all__ = ["Settings", "Tuner", "search", "mean_iteration_ns", "SEARCH_DECOMPOSITIONS"]
@@ -168,11 +166,15 @@ class _SearchJob:
         self.thread = start_thread(run, "commsched-autotune", "cs-autotune")
 
 
-class Tuner:
-    """The autotuner of one lane. Every method but ``submit_settings``, ``on_chunk`` and
-    ``report`` runs with the lane lock held, from ``_Lane._pump``."""
+class Tuner(Extension):
+    """The autotuner of one lane, an extension of it (``Scheduler(extensions=[Tuner])``).
+    ``at_head`` and ``dispatched`` run with the lane lock held; ``settings_for`` may be
+    read without it (the schedule is replaced whole, never mutated)."""
 
-    def __init__(self, lane):
+    provides = ("autotune",)
+    tunes = True
+
+    def __init__(self, lane: LaneInfo):
         config = lane.config
         self.lane = lane
         self.n = config.autotune_iters
@@ -200,8 +202,11 @@ class Tuner:
         self.baseline_ns = 0
         self.log: List[dict] = []
         self.unreported: "collections.deque[dict]" = collections.deque()
-        self.reports = lane.observer is not None and hasattr(lane.observer, "on_tuning")
-        # rank 0: the baseline's chunk records and iteration rows, and the search
+        self.observer = lane.observer
+        self.reports = self.observer is not None and hasattr(self.observer, "on_tuning")
+        # rank 0: while collecting, the baseline's chunk records and iteration rows, and
+        # the search
+        self.collecting = False
         self.records: List[ChunkRecord] = []
         self.iteration_rows: List[dict] = []
         self.expected_steps = 0
@@ -216,17 +221,11 @@ class Tuner:
                 return settings
         return self.schedule[0][1]
 
-    def submit_settings(self) -> Settings:
-        """Settings of the iteration the next submitted request joins (training thread)."""
-        lane = self.lane
-        current = lane.current
-        return self.settings_for(current.index if current is not None else lane.iteration_count)
-
     def _switch(self, first: int, settings: Settings) -> None:
         self.schedule = self.schedule + ((first, settings),)
 
     # --- D(i): an iteration was fully dispatched ---------------------------------------------
-    def iteration_dispatched(self, it) -> None:
+    def dispatched(self, it) -> None:
         layout = tuple((r.key, r.tensor.numel() * r.tensor.element_size(), r.op)
                        for r in it.requests)
         if layout != self.layout:
@@ -270,7 +269,7 @@ class Tuner:
             self.records, self.iteration_rows, self.expected_steps = [], [], 0
             self.window = (first, first + self.n)
             self.job = None
-            self.lane.collecting = True
+            self.collecting = True
 
     def _keep_iteration(self, it) -> None:
         self.iteration_rows.append({
@@ -290,7 +289,7 @@ class Tuner:
             self.phase = "wait"                 # a new layout gets its own round
 
     def _stop_collecting(self) -> None:
-        self.lane.collecting = False
+        self.collecting = False
         self.window = (0, -1)
         self.job = None
 
@@ -300,8 +299,7 @@ class Tuner:
         schedule = self.schedule
         while len(schedule) > 1 and schedule[1][0] <= k:   # no submission can need them
             schedule = schedule[1:]
-        self.schedule = schedule
-        self.lane.credit_bytes = self.settings_for(k).credit_bytes
+        self.schedule = schedule         # (the lane takes its credit window from it next)
         if self.phase == "decide":
             self._decide(k)
         elif self.phase == "evaluate":
@@ -316,8 +314,8 @@ class Tuner:
         values = [-1] * 8
         if self.lane.rank == 0:
             values[:_BEGUN] = self._rank0_answer()
-        values[_BEGUN], values[_MEASURED] = self.lane.iteration_count, self.baseline_ns
-        out = self._exchange(values, "decide")
+        values[_BEGUN], values[_MEASURED] = self.lane.begun(), self.baseline_ns
+        out = self.lane.exchange(values, "decide")
         if out[_STATUS] == _NOT_READY:
             return                              # ask again at the next head
         self.baseline_ns = 0
@@ -345,7 +343,7 @@ class Tuner:
         if job is None:
             if len(self.records) < self.expected_steps:
                 return [_NOT_READY] + [0] * 5
-            self.lane.collecting = False
+            self.collecting = False
             records, self.records, self.window = self.records, [], (0, -1)
             self.job = _SearchJob(_profile_and_search, self.lane.name, self.lane.rank,
                                   self.old, self.policy, self.decompositions,
@@ -366,7 +364,8 @@ class Tuner:
     def _evaluate(self, k: int) -> None:
         trial_ns = mean_iteration_ns(
             "trial", [self.starts[i] for i in range(self.first, self.first + self.n + 1)])
-        out = self._exchange([-1] * _BEGUN + [self.lane.iteration_count, trial_ns], "evaluate")
+        out = self.lane.exchange([-1] * _BEGUN + [self.lane.begun(), trial_ns],
+                                 "evaluate")
         trial_ms = out[_MEASURED] / 1e6
         self.phase = "done"
         if trial_ms < self.baseline_ms:
@@ -378,26 +377,11 @@ class Tuner:
 
     def _abort(self, k: int) -> None:
         """The request layout changed during a trial: back to the baseline's settings."""
-        out = self._exchange([-1] * _BEGUN + [self.lane.iteration_count, 0], "abort")
+        out = self.lane.exchange([-1] * _BEGUN + [self.lane.begun(), 0], "abort")
         revert_at = out[_BEGUN] + 1
         self._switch(revert_at, self.old)
         self.phase = "wait"
         self._entry(k, "abandoned", iteration=revert_at, kept=False)
-
-    def _exchange(self, values: List[int], what: str) -> List[int]:
-        """One all_reduce(MAX) in the collective sequence (as the plan exchange)."""
-        lane = self.lane
-        if lane.cuda:
-            with torch.cuda.stream(lane.launch_stream):
-                tensor = torch.tensor(values, dtype=torch.int64, device=lane.device)
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=lane.group)
-                tensor = tensor.cpu()
-        else:
-            tensor = torch.tensor(values, dtype=torch.int64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=lane.group)
-        if lane.trace_dispatch:
-            lane.dispatch_log.append(("autotune", what))
-        return tensor.tolist()
 
     # --- records -------------------------------------------------------------------------------
     def _entry(self, k: int, event: str, *, iteration: Optional[int] = None,
@@ -433,18 +417,31 @@ class Tuner:
         if self.reports:
             self.unreported.append(entry)
 
-    def on_chunk(self, record: ChunkRecord) -> None:
-        """A chunk step finished (completion thread, lock not held): rank 0 keeps the
+    def wants_records(self) -> bool:
+        return self.collecting
+
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        """Chunk steps finished (completion thread, lock not held): rank 0 keeps the
         baseline window's records."""
         lo, hi = self.window
-        if lo <= record.iteration <= hi:
-            self.records.append(record)
+        for record in records:
+            if lo <= record.iteration <= hi:
+                self.records.append(record)
 
-    def report(self, observer) -> None:
-        """Hand new decisions to ``observer.on_tuning`` (training thread, lock not held)."""
+    def on_iteration(self, record) -> None:
+        self._report()
+
+    def drained(self) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        """Hand new decisions to the observer's ``on_tuning`` (training thread, lock not
+        held)."""
+        if not self.reports:
+            return
         while self.unreported:
             try:
                 entry = self.unreported.popleft()
             except IndexError:
                 return
-            observer.on_tuning(dict(entry))
+            self.observer.on_tuning(dict(entry))

@@ -146,20 +146,21 @@ def issue_step(chunk, step: int):
         shard = buf.numel() // req.world_size
         own = buf.narrow(0, req.rank * shard, shard)
         if name == "reduce_scatter":
-            return _pg_reduce_scatter(group, own, buf, req.lane.scatter_options(req.reduce_op))
-        return _pg_all_gather(group, buf, own, req.lane.gather_options)
+            return _pg_reduce_scatter(group, own, buf,
+                                      req.lane.issuer.scatter_options(req.reduce_op))
+        return _pg_all_gather(group, buf, own, req.lane.issuer.gather_options)
     whole = chunk.numel * req.world_size == req.tensor.numel()
     if req.op == "reduce_scatter":
         if whole:
             own = req.tensor.narrow(0, req.rank * chunk.numel, chunk.numel)
             return _pg_reduce_scatter(group, own, req.tensor,
-                                      req.lane.scatter_options(req.reduce_op))
+                                      req.lane.issuer.scatter_options(req.reduce_op))
         pieces = chunk.shard_pieces()
         return dist.reduce_scatter(pieces[req.rank], pieces, op=req.reduce_op, group=group,
                                    async_op=True)
     if whole:
         own = req.tensor.narrow(0, req.rank * chunk.numel, chunk.numel)
-        return _pg_all_gather(group, req.tensor, own, req.lane.gather_options)
+        return _pg_all_gather(group, req.tensor, own, req.lane.issuer.gather_options)
     pieces = chunk.shard_pieces()
     return dist.all_gather(pieces, pieces[req.rank], group=group, async_op=True)
 
@@ -180,10 +181,11 @@ def _issue_topology_step(chunk, name: str):
     shard = buf.numel() // topo.local_size
     own = buf.narrow(0, topo.local_rank * shard, shard)
     if op == "reduce_scatter":
-        return _pg_reduce_scatter(group, own, buf, req.lane.scatter_options(req.reduce_op))
+        return _pg_reduce_scatter(group, own, buf,
+                                  req.lane.issuer.scatter_options(req.reduce_op))
     if op == "all_reduce":
         return dist.all_reduce(own, op=req.reduce_op, group=group, async_op=True)
-    return _pg_all_gather(group, buf, own, req.lane.gather_options)
+    return _pg_all_gather(group, buf, own, req.lane.issuer.gather_options)
 
 
 def _rs_ag_buffer(chunk, parts: int = 0) -> torch.Tensor:

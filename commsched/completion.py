@@ -1,45 +1,48 @@
-"""Device completion of a lane's collectives (Invariant 2 in scheduler.py): what a lane
-issued and did not complete yet, in issue order, and the thread that completes it.
+"""Device completion of a lane's collectives: what a lane issued and did not complete yet,
+in issue order, the thread that completes it, and the watchdog.
 
-A lane (scheduler.py) hands every step it issues to its ``_Completion``: as an item of its
-own where somebody needs that step's completion (its credit, a gloo future or next step,
-its timings, a padded chunk's copy back), else into the open completion batch. The
-completion thread, once rung, or the caller of a polled lane, at its end of iteration,
-takes the items that finished on the device, with their host-clock device times, and the
-lane settles them: credit back, request outcomes, the next dispatch. When the thread is
-rung and when the caller completes instead: "Completion hand-off" in scheduler.py.
+A lane (lane.py) hands every step it issues to its ``Completion``: as an item of its own
+where somebody needs that step's completion (its credit, a gloo future or next step, its
+timings, a padded chunk's copy back), else into the open completion batch. The completion
+thread, once rung, or the caller of a polled lane, at its end of iteration, takes the items
+that finished on the device, with their host-clock device times, and hands them to the
+lane's ``settle`` callback: credit back, request outcomes, the next dispatch. When the
+thread is rung and when the caller completes instead: [Note: completion hand-off] in
+docs/design.md.
 
-No lock of its own: everything here is guarded by the lane's lock, the one lock that
-totally orders a lane's dispatch; only the thread's wait for the device is outside it.
+The lane's lock guards everything here (the one lock that totally orders a lane's
+dispatch); only the thread's wait for the device is outside it.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .clock import EventClock
 from .partition import Chunk
-from .telemetry.device_clock import EventClock
 from .threads import start_thread
 
-if TYPE_CHECKING:
-    from .scheduler import _Lane
+__all__ = ["Completion", "InFlight", "Watchdog", "LAZY_ITEMS", "POLLED_ITEMS"]
 
 # Unfinished chunks that may wait for their completion before the completion thread is
 # woken for them anyway (bounds the events and staging buffers they hold).
 LAZY_ITEMS = 64
 POLLED_ITEMS = 4 * LAZY_ITEMS
 # The completion thread of a polled lane looks at an unfinished event after WAIT_POLL_S,
-# then at intervals doubling up to WAIT_POLL_MAX_S (see _Completion.wait).
+# then at intervals doubling up to WAIT_POLL_MAX_S (see Completion.wait).
 WAIT_POLL_S = 0.0002
 WAIT_POLL_MAX_S = 0.004
 
+Times = List[Tuple[Optional[int], int]]
 
-class _InFlight:
+
+class InFlight:
     """One issued collective step, until it was completed; or, on CUDA, a batch of
     consecutive steps of the lane's own group that nobody needs one by one (``chunk``
     None: no timings, no credit, no copy back), completed together."""
@@ -71,43 +74,49 @@ class _InFlight:
                 f"request {req.key!r} ({self.chunk.nbytes} bytes, iteration {req.iteration})")
 
 
-class _Completion:
+class Completion:
     """The completion side of one lane. Owns the in-flight queue and its sequence numbers,
     the newest step per process group, the done stream and the pool of CUDA events
-    recorded on it, the event clock, and the completion thread with its wait
-    bookkeeping. The lane's issue path adds to it (``add``, ``batch``) and says when its
-    thread must complete (``ring``, ``bound``, ``close_newest``); the lane settles what
-    ``take`` hands back. Reads of the lane: its device (``cuda``, ``device``), its failure,
-    ``stopping``, and what decides the completion order (``stream_ordered``,
-    ``credit_bytes``)."""
+    recorded on it, the event clock, and the completion thread with its wait bookkeeping.
+    The lane's issue path adds to it (``add``, ``batch``) and says when its thread must
+    complete (``ring``, ``bound``, ``close_newest``); what finished goes to ``settle``.
 
-    __slots__ = ("lane", "lock", "polled", "done_stream", "in_flight", "head_seq",
-                 "must_complete", "newest", "joined", "events", "clock", "group_end_ns",
-                 "waiting_item", "waiting_since", "wake", "batches", "thread_batches",
-                 "thread")
+    ``polled``: CUDA with nothing waiting for a step's completion (no credit window, no
+    tuner): nobody wakes the completion thread per iteration; the caller completes what
+    the device finished at its next end of iteration (``take(None, ...)``).
+    ``ordered``: the device completes the lane's steps in issue order (NCCL: one stream per
+    group), so one wait covers every step before it. ``credit``: the lane's window
+    (``limit`` read: under a bounded one the oldest item is completed first)."""
 
-    def __init__(self, lane: "_Lane"):
-        self.lane = lane
-        self.lock = lane.lock
-        # CUDA without a credit window or tuner: nothing waits for a step's completion
-        # (credit), so nobody wakes the completion thread per iteration; the caller
-        # completes what the device finished at its next end of iteration (an event query
-        # each), see "Completion hand-off".
-        self.polled = lane.cuda and not lane.config.credit_bytes and lane.tuner is None
+    __slots__ = ("name", "lock", "cuda", "device", "polled", "ordered", "credit", "settle",
+                 "done_stream", "in_flight", "head_seq", "must_complete", "newest", "joined",
+                 "events", "clock", "group_end_ns", "waiting_item", "waiting_since", "wake",
+                 "batches", "thread_batches", "stopping", "failure", "thread")
+
+    def __init__(self, name: str, lock: threading.Lock, device: torch.device, *,
+                 polled: bool, ordered: bool, credit, settle: Callable[["InFlight"], None]):
+        self.name = name
+        self.lock = lock
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.polled = polled
+        self.ordered = ordered
+        self.credit = credit
+        self.settle = settle
         # CUDA: where events after steps are recorded (and a padded chunk copied back).
-        self.done_stream = torch.cuda.Stream(lane.device) if lane.cuda else None
+        self.done_stream = torch.cuda.Stream(device) if self.cuda else None
         # Issued, not yet completed, in issue order. in_flight[0] has sequence number
         # head_seq; every item up to sequence number must_complete is waited for as soon as
-        # possible (see "Completion hand-off").
-        self.in_flight: "collections.deque[_InFlight]" = collections.deque()
+        # possible.
+        self.in_flight: "collections.deque[InFlight]" = collections.deque()
         self.head_seq = 0
         self.must_complete = -1
         # CUDA: the newest step issued on each process group (None: the lane's own), and
         # the newest padded chunk's copy back ("copy"): what join() and seal() wait for.
         self.newest: Dict[object, object] = {}
         # The newest step of the lane's own group that the caller's stream waited for
-        # before a synchronous collective (lane._synchronous_options); held no longer than
-        # ``newest``.
+        # before a synchronous collective (Issuer.synchronous_options); held no longer
+        # than ``newest``.
         self.joined = None
         self.events: "collections.deque" = collections.deque()
         # Maps events onto the host clock (device_times): made where first needed; its
@@ -115,13 +124,16 @@ class _Completion:
         # thread once it is older than EventClock.REFRESH_S.
         self.clock: Optional[EventClock] = None
         self.group_end_ns = 0         # host-clock end of the group's newest timed step
-        self.waiting_item: Optional[_InFlight] = None     # what the thread waits on
+        self.waiting_item: Optional[InFlight] = None     # what the thread waits on
         self.waiting_since = 0.0
-        self.wake = threading.Condition(lane.lock)
+        self.wake = threading.Condition(lock)
         self.batches = 0              # completions (each a batch of items)
         self.thread_batches = 0       # of which the completion thread's
-        self.thread = start_thread(self._loop, f"commsched-{lane.name}",
-                                   f"cs-{lane.name}-complete")
+        self.stopping = threading.Event()
+        # The lane's failure, once it failed: a polled wait stops looking (its collective
+        # may never end), and so does the watchdog.
+        self.failure: Optional[BaseException] = None
+        self.thread = start_thread(self._loop, f"commsched-{name}", f"cs-{name}-complete")
 
     # ---- from the issue path (lock held) -------------------------------------------------
     def add(self, chunk: Chunk, step: int, work, start, end, keep_end: bool) -> None:
@@ -132,14 +144,14 @@ class _Completion:
             batch = in_flight[-1]
             batch.open = False
             self.seal(batch)
-        in_flight.append(_InFlight(chunk, step, work, start, end, keep_end))
+        in_flight.append(InFlight(chunk, step, work, start, end, keep_end))
 
     def batch(self, chunk: Chunk, step: int, last: bool, work) -> None:
         """Add an untimed step with nothing waiting on its completion to the open batch."""
         in_flight = self.in_flight
         batch = in_flight[-1] if in_flight else None
         if batch is None or not batch.open:
-            batch = _InFlight(None, 0, work, None, None)
+            batch = InFlight(None, 0, work, None, None)
             batch.open = True
             batch.t_first_ns = chunk.t_dispatch_ns
             batch.iteration = chunk.request.iteration
@@ -149,14 +161,13 @@ class _Completion:
         if last:
             batch.nbytes += chunk.nbytes
             chunk.works = None            # (nothing completes it one by one)
-            chunk.request = None          # nothing reads it again: see scheduler._release
+            chunk.request = None          # nothing reads it again: see lane.release
 
     def bound(self) -> None:
         """Keep what is issued and not completed bounded: past ``LAZY_ITEMS`` steps in one
-        batch or items in flight the completion thread completes them; a lane whose
-        caller completes (``polled``) only closes an overgrown batch, and rings where its
-        caller lets items pile up (no end of iteration). Nothing while the thread is at
-        it."""
+        batch or items in flight the completion thread completes them; a polled lane only
+        closes an overgrown batch, and rings where its caller lets items pile up (no end of
+        iteration). Nothing while the thread is at it."""
         if self.must_complete >= self.head_seq:
             return
         in_flight = self.in_flight
@@ -174,25 +185,22 @@ class _Completion:
         if self.in_flight and newest > self.must_complete:
             item = self.in_flight[-1]
             item.open = False
-            if self.lane.cuda and item.end is None:
+            if self.cuda and item.end is None:
                 self.seal(item)
             self.must_complete = newest
             self.wake.notify()
 
     def close_newest(self) -> None:
         """End the open batch, if any, with no event: the caller tells that it finished
-        from its newest collective (``Work.is_completed()``, a query of the process
-        group's own event). An event of the lane's would take a wait of its done stream
-        on the collective; where the device has one hardware queue
-        (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM sets it) such a wait holds up
-        whatever is queued behind it on any stream until the collective ends."""
+        from its newest collective (``Work.is_completed()``, a query of the process group's
+        own event). See [Note: no waits on the collective] in docs/design.md."""
         if self.in_flight and self.in_flight[-1].open:
             self.in_flight[-1].open = False
 
-    def seal(self, item: _InFlight) -> None:
+    def seal(self, item: InFlight) -> None:
         """Give ``item`` an end event after every step issued so far (on each group's
         stream): what the completion thread waits for, once for a whole batch."""
-        caller = torch.cuda.current_stream(self.lane.device)
+        caller = torch.cuda.current_stream(self.device)
         torch.cuda.set_stream(self.done_stream)
         try:
             for work in self.newest.values():
@@ -203,41 +211,43 @@ class _Completion:
             torch.cuda.set_stream(caller)
 
     def event(self):
-        """A CUDA event from the pool (timed when telemetry needs durations)."""
+        """A CUDA event from the pool, timed: the host-clock time of a step or batch comes
+        from its events when it is completed later than it finished (device_times).
+        Blocking-sync where the completion thread waits for steps as they finish (not
+        polled): it sleeps in synchronize() instead of spinning. Not on a polled lane, whose
+        caller only queries them: the driver services each blocking-sync event's completion
+        on a thread of its own."""
         try:
             return self.events.pop()
         except IndexError:
-            # Timed: the host-clock time of a step or batch comes from its events when it
-            # is completed later than it finished (device_times). Blocking-sync where the
-            # completion thread waits for steps as they finish (not polled): it sleeps in
-            # synchronize() instead of spinning. Not on a polled lane, whose caller only
-            # queries them: the driver services each blocking-sync event's completion on a
-            # thread of its own (2 wake-ups per timed bucket of a DDP backward).
             return torch.cuda.Event(enable_timing=True, blocking=not self.polled)
+
+    def pending(self) -> bool:
+        """Whether anything issued is not completed yet."""
+        return bool(self.in_flight)
 
     # ---- completion thread ---------------------------------------------------------------
     def _loop(self) -> None:
-        lane = self.lane
-        if self.lane.cuda:
-            torch.cuda.set_device(self.lane.device)
+        if self.cuda:
+            torch.cuda.set_device(self.device)
         while True:
             with self.lock:
                 while self.must_complete < self.head_seq:
-                    if lane.stopping.is_set():
+                    if self.stopping.is_set():
                         return            # (close() rang: everything issued was completed)
                     self.wake.wait()
-                # NCCL: the watch stream completes items in issue order, so one wait on the
-                # last item that must complete covers every item before it; under a credit
-                # window the oldest goes first, as its credit is what dispatch waits for.
-                ordered = lane.stream_ordered and not lane.credit_bytes
+                # One wait on the last item that must complete covers every item before it
+                # where the device completes them in order; under a credit window the
+                # oldest goes first, as its credit is what dispatch waits for.
+                ordered = self.ordered and not self.credit.limit
                 index = self.must_complete - self.head_seq if ordered else 0
                 item = self.in_flight[index]
                 self.waiting_item, self.waiting_since = item, time.monotonic()
             self.wait(item)
-            lane._complete(item)
-            item = None       # not held while idle: a work may hold buffers (lane._complete)
+            self.settle(item)
+            item = None       # not held while idle: a work may hold buffers (lane.settle)
 
-    def wait(self, item: _InFlight) -> None:
+    def wait(self, item: InFlight) -> None:
         """Block until the item's collective finished on the device: on CUDA the event
         recorded on the done stream after it (GIL released), on gloo ``work.wait()``. A
         polled lane's events do not block (see event()): its completion thread, rung only
@@ -250,19 +260,19 @@ class _Completion:
             elif not self.polled:
                 end.synchronize()
             else:
-                lane = self.lane
                 pause = WAIT_POLL_S
                 while not end.query():
-                    if lane.failure is not None:
-                        item.error = lane.failure
+                    if self.failure is not None:
+                        item.error = self.failure
                         return
                     time.sleep(pause)
                     pause = min(2 * pause, WAIT_POLL_MAX_S)
         except Exception as exc:  # the collective failed (peer gone, timeout, ...)
             item.error = exc
 
-    def close(self) -> None:
-        """Have the thread complete what was issued, then end (the lane set ``stopping``)."""
+    def close(self, failed: bool) -> None:
+        """Have the thread complete what was issued, then end."""
+        self.stopping.set()
         # (A thread stuck in a failed collective may hold the lock: do not wait for it.)
         if self.lock.acquire(timeout=1):
             try:
@@ -272,16 +282,16 @@ class _Completion:
                 self.lock.release()
         # After a failure the completion thread may be stuck in a collective that will
         # never finish; it is a daemon thread and must not hold up the exit.
-        self.thread.join(timeout=1 if self.lane.failure is not None else 10)
+        self.thread.join(timeout=1 if failed else 10)
 
     # ---- taking what finished (lock held) ------------------------------------------------
-    def take(self, waited: Optional[_InFlight], t_seen: int
-             ) -> Optional[Tuple[List[_InFlight], List[Tuple[Optional[int], int]]]]:
+    def take(self, waited: Optional[InFlight], t_seen: int
+             ) -> Optional[Tuple[List[InFlight], Times]]:
         """The items to complete now, in issue order, and their host-clock device times
         (``device_times``): ``waited``, which the completion thread waited for, and what
         finished with it; or, with ``waited`` None, what the device finished of what the
-        caller must complete (``polled``: the caller's thread, at its end of iteration).
-        None where there is nothing, or the completion thread was rung (it is at it)."""
+        caller must complete (polled: the caller's thread, at its end of iteration). None
+        where there is nothing, or the completion thread was rung (it is at it)."""
         if waited is None:
             if self.waiting_item is not None or self.must_complete >= self.head_seq:
                 return None
@@ -295,11 +305,11 @@ class _Completion:
         self.batches += 1
         times = self.device_times(batch, t_seen)
         if not self.in_flight:
-            self.newest.clear()           # (a work may hold buffers, see lane._complete)
+            self.newest.clear()           # (a work may hold buffers, see lane.settle)
             self.joined = None
         return batch, times
 
-    def _take_finished(self, waited: Optional[_InFlight]) -> List[_InFlight]:
+    def _take_finished(self, waited: Optional[InFlight]) -> List[InFlight]:
         """Pop, in issue order, the items up to ``waited`` (finished: the thread waited for
         it, and on CUDA what precedes it finished first) and any finished after it.
         Everything that finished is completed under one lock acquisition: fewer hand-offs
@@ -307,7 +317,6 @@ class _Completion:
         caller polls): the closed items at the head that finished."""
         batch = []
         in_flight = self.in_flight
-        cuda = self.lane.cuda
         seen = waited is None
         while in_flight:
             item = in_flight[0]
@@ -317,13 +326,13 @@ class _Completion:
             self.head_seq += 1
             if item is waited:
                 seen = True
-            elif not cuda:
+            elif not self.cuda:
                 self.wait(item)           # returns at once; surfaces a failure
             batch.append(item)
         return batch
 
     @staticmethod
-    def _finished(item: _InFlight, polled: bool) -> bool:
+    def _finished(item: InFlight, polled: bool) -> bool:
         """Whether ``item`` finished on the device, never blocking: its end event, else its
         newest collective. A caller polling (``polled``) leaves the batch still open (the
         iteration's, which later steps may join) to its next end of iteration."""
@@ -333,28 +342,26 @@ class _Completion:
             return False
         return item.work.is_completed()
 
-    def device_times(self, batch: List[_InFlight],
-                     t_seen: int) -> List[Tuple[Optional[int], int]]:
+    def device_times(self, batch: List[InFlight], t_seen: int) -> Times:
         """Host-clock (start, end) of each item's collective on the device, start None
-        where no event tells it (the step's dispatch stands in, see lane._complete).
-        Events are mapped onto the host clock by the ``EventClock`` (the thread may get to
-        an item long after it finished; no wait there):
+        where no event tells it (the step's dispatch stands in, see lane.settle). Events
+        are mapped onto the host clock by the ``EventClock`` (the thread may get to an item
+        long after it finished; no wait there):
 
         * an end event: its time, and the start that much earlier as the start event
           says;
-        * a start event alone (``group_timed``): the collective began at the later of its
-          start event (its inputs ready in the issuing stream) and the end of the group's
-          previous one (NCCL runs a group's collectives in issue order), and took what
-          the process group measured (``Work._get_duration()``);
+        * a start event alone (the group times its own collectives): the collective began
+          at the later of its start event (its inputs ready in the issuing stream) and the
+          end of the group's previous one (NCCL runs a group's collectives in issue
+          order), and took what the process group measured (``Work._get_duration()``);
         * no event (an untimed completion batch, gloo), or one that cannot be timed (a
           failed step): ``t_seen``, when this thread saw it finish."""
-        times: List[Tuple[Optional[int], int]] = [(None, t_seen)] * len(batch)
-        lane = self.lane
-        if not lane.cuda or all(item.start is None and item.end is None for item in batch):
-            return times          # (nothing reads a batch's time: lane._complete_batch)
+        times: Times = [(None, t_seen)] * len(batch)
+        if not self.cuda or all(item.start is None and item.end is None for item in batch):
+            return times          # (nothing reads a batch's time: lane.settle)
         clock = self.clock
         if clock is None:
-            clock = self.clock = EventClock(torch.cuda.Stream(lane.device))    # (idle stream)
+            clock = self.clock = EventClock(torch.cuda.Stream(self.device))    # (idle stream)
         if not self.polled and clock.age_s() > EventClock.REFRESH_S:
             try:
                 clock.refresh()           # (the completion thread: it may wait)
@@ -381,7 +388,7 @@ class _Completion:
         self.group_end_ns = previous
         return times
 
-    def recycle(self, batch: List[_InFlight]) -> None:
+    def recycle(self, batch: List[InFlight]) -> None:
         """The events of completed items back into the pool (lock not needed: a deque's
         appends and pops are atomic)."""
         events = self.events
@@ -390,3 +397,66 @@ class _Completion:
                 events.append(item.start)
             if item.end is not None and not item.keep_end:
                 events.append(item.end)
+
+
+class Watchdog:
+    """A thread per lane that turns a collective that never completes (a dead peer,
+    mismatched collectives) into an error on this rank, through the lane's ``stalled``
+    callback; hands the completion thread what a polled lane left in flight longer than
+    its period (the caller stopped ending iterations: the end of training, an
+    evaluation); and, where the caller completes timed steps (``refresh_clock``), renews
+    the anchor of the completion side's event clock, so that mapping their end events onto
+    the host clock never waits on the caller's thread. Owns its period and thread; reads
+    the completion side under its lock."""
+
+    __slots__ = ("completion", "timeout_s", "stalled", "refresh_clock", "period", "thread")
+
+    def __init__(self, completion: Completion, timeout_s: float,
+                 stalled: Callable[[InFlight], None], refresh_clock: bool):
+        self.completion = completion
+        self.timeout_s = timeout_s
+        self.stalled = stalled
+        self.refresh_clock = refresh_clock and completion.polled
+        self.period = min(max(timeout_s / 10.0, 0.05), 5.0,
+                          EventClock.REFRESH_S if self.refresh_clock else math.inf)
+        name = completion.name
+        self.thread = start_thread(self._run, f"commsched-{name}-watchdog",
+                                   f"cs-{name}-watchdog")
+
+    def _run(self) -> None:
+        completion = self.completion
+        while not completion.stopping.wait(self.period):
+            clock = completion.clock if self.refresh_clock else None
+            if clock is not None:
+                try:
+                    clock.refresh()           # (not under the lock: it waits for the device)
+                except RuntimeError:
+                    pass                      # a failing device: the wait below reports it
+            with completion.lock:
+                if completion.failure is not None:
+                    return
+                # Only a wait can stall: unfinished chunks nobody waits for yet are not late.
+                item = completion.waiting_item
+                if item is None:
+                    self._hand_over_stale()
+                    continue
+                if time.monotonic() - completion.waiting_since <= self.timeout_s:
+                    continue
+            self.stalled(item)
+            return
+
+    def _hand_over_stale(self) -> None:
+        """Ring the completion thread for what a polled lane issued over a period ago
+        (lock held)."""
+        completion = self.completion
+        in_flight = completion.in_flight
+        if not (completion.polled and in_flight
+                and completion.must_complete < completion.head_seq):
+            return
+        head = in_flight[0]
+        issued = head.t_first_ns if head.chunk is None else head.chunk.t_dispatch_ns
+        if time.time_ns() - issued > self.period * 1e9:
+            completion.ring()
+
+    def join(self) -> None:
+        self.thread.join(timeout=1)       # (wakes at the completion side's ``stopping``)

@@ -17,8 +17,8 @@ from typing import Dict, List, Literal, Mapping, Optional, get_args
 
 from .errors import CommschedError
 
-__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "field_docs",
-           "settings_table", "warn_data_parallel_only"]
+__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "REMOVED",
+           "field_docs", "settings_table", "warn_data_parallel_only"]
 
 
 class ConfigError(CommschedError, ValueError):
@@ -27,12 +27,10 @@ class ConfigError(CommschedError, ValueError):
 
 Policy = Literal["priority", "fifo"]
 Decompose = Literal["none", "rs_ag", "hier", "leader", "auto"]
-Dispatch = Literal["auto", "thread", "inline"]
 ReduceDtype = Literal["bfloat16", "float16"]
 POLICIES = get_args(Policy)
 REDUCE_DTYPES = get_args(ReduceDtype)
 DECOMPOSITIONS = get_args(Decompose)
-DISPATCH_MODES = get_args(Dispatch)
 
 _BYTE_UNITS = {
     "": 1,
@@ -48,6 +46,14 @@ _INT_RE = re.compile(r"^\s*([0-9]{1,12})\s*$", re.ASCII)
 # Far above any gradient bucket; guards against typos such as 4000GiB. Every byte field's
 # upper bound.
 MAX_BYTES = 1 << 40
+
+
+# Variables that were settings once, and what took their place: setting one is an error
+# that says so, never silence.
+REMOVED = {
+    "COMMSCHED_DISPATCH": "collectives are always issued by the thread that submits them "
+                          "(the dispatch thread is gone)",
+}
 
 
 def _byte_count(text: str) -> Optional[re.Match]:
@@ -200,15 +206,6 @@ class Config:
     broadcast), auto (per chunk size the fastest of none/hier/leader, timed once at the
     first request; none on one node)."""
 
-    dispatch: Dispatch = field(default="auto", metadata=_env("COMMSCHED_DISPATCH"))
-    """Which thread issues the collectives: inline (and auto) the thread that submits,
-    from its own stream, as a plain collective call would; thread a dispatch thread per
-    process group, at a GIL hand-off per request (not with autotune nor Megatron).
-
-    ``thread`` is refused with ``autotune``, which decides at submission with state the
-    dispatch thread would change later, and by the Megatron patches, since Megatron issues
-    collectives of its own on the data-parallel group."""
-
     local_size: int = field(default=0, metadata=_env("COMMSCHED_LOCAL_SIZE",
                                                      maximum=1 << 20))
     """Ranks per node for hier, leader and auto; 0: the launcher's LOCAL_WORLD_SIZE (all
@@ -278,12 +275,6 @@ class Config:
         if self.grad_reduce_dtype is not None:
             _check_choice("grad_reduce_dtype", self.grad_reduce_dtype, REDUCE_DTYPES)
         _check_choice("decompose", self.decompose, DECOMPOSITIONS)
-        _check_choice("dispatch", self.dispatch, DISPATCH_MODES)
-        if self.dispatch == "thread" and self.autotune:
-            raise ConfigError(
-                "dispatch='thread' (COMMSCHED_DISPATCH): not with autotune=True "
-                "(COMMSCHED_AUTOTUNE), which decides at submission with state the dispatch "
-                "thread changes later; use auto or inline")
         if self.telemetry_dir is not None and (
                 not isinstance(self.telemetry_dir, str) or not self.telemetry_dir.strip()):
             raise ConfigError(
@@ -314,6 +305,9 @@ class Config:
         environ = os.environ if environ is None else environ
         known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
         for var in environ:
+            if var in REMOVED:
+                raise ConfigError(f"{var}: no longer a commsched setting: {REMOVED[var]}; "
+                                  f"unset it")
             if (var == "COMMSCHED" or var.startswith("COMMSCHED_")) and var not in known:
                 close = difflib.get_close_matches(var, known, n=1)
                 hint = f"; did you mean {close[0]}?" if close else ""
@@ -363,8 +357,6 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
         return _choice(var, raw, POLICIES)
     if f.name == "decompose":
         return _choice(var, raw, DECOMPOSITIONS)
-    if f.name == "dispatch":
-        return _choice(var, raw, DISPATCH_MODES)
     if f.name == "grad_reduce_dtype":
         return _choice(var, raw, REDUCE_DTYPES)
     if f.name == "telemetry_dir":

@@ -1,15 +1,19 @@
-"""The narrow interface through which telemetry observes the scheduler.
+"""The narrow interface through which instruments (telemetry, the tuner, NVTX ranges) see
+the scheduler: the records it hands over, and ``Extension``, the one protocol they
+implement.
 
-The scheduler knows nothing about stores, NVML or traces: it hands finished records to an
-``Observer``. ``on_chunks`` is called from the scheduler's completion thread, never from
-the training thread, and must only enqueue (no I/O, no NVML).
+The scheduler knows nothing about stores, NVML, traces or tuning: a lane calls its
+extension at a few named points, and a lane without one calls nothing (``lean``).
+``on_chunks`` is called from the scheduler's completion thread or the thread that ends an
+iteration, and must only enqueue (no I/O, no NVML).
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Observer"]
+__all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Extension", "Extensions",
+           "LaneInfo", "Observer", "as_extension"]
 
 
 class ChunkRecord(NamedTuple):
@@ -59,15 +63,133 @@ class IterationRecord(NamedTuple):
     flush_mark: Optional[DeviceMark] = None
 
 
-class Observer:
-    """What observes a scheduler: subclass it and define ``on_chunk`` (and ``on_chunks``
-    where a batch can be taken at once). The scheduler calls ``on_chunks`` and
-    ``on_iteration`` only."""
+class LaneInfo(NamedTuple):
+    """What a lane tells the extensions made for it (``Scheduler(extensions=...)``)."""
+
+    name: str                 # the lane's label, e.g. "g0"
+    rank: int                 # this process's rank in the lane's group
+    world_size: int
+    config: object            # the lane's commsched.Config
+    observer: Optional["Extension"]     # the scheduler's observer (telemetry), if any
+    # exchange(values, what): one all_reduce(MAX) of int64 ``values`` over the lane's group,
+    # in its collective sequence (call only where every rank calls it, see the tuner)
+    exchange: Callable[[Sequence[int], str], List[int]]
+    begun: Callable[[], int]  # iterations begun on the lane so far
+
+
+class Extension:
+    """What instruments a lane, called at named points; the base does nothing, so an
+    extension defines only the points it needs. Lane state is never written from here:
+    what an extension decides comes back through ``settings_for``.
+
+    Points, in the order a request meets them:
+
+    * ``settings_for(index)``: the settings (partition, credit window, decomposition) of
+      lane iteration ``index`` (the tuner), or None for the config's. Read at submission,
+      when an iteration reaches the head of the order, and when its layout is noted.
+    * ``at_head(it)``: iteration ``it`` reached the head of the dispatch order (lock held;
+      every rank passes here in the same order).
+    * ``dispatched(it)``: every step of ``it`` was issued (lock held; likewise).
+    * ``issuing(name)`` / ``issued()``: around each collective step issued.
+    * ``wants_records()``: whether the steps completing now are wanted as ChunkRecords.
+    * ``on_chunks(records)``: steps that finished on the device, in issue order.
+    * ``on_iteration(record)``: an iteration was ended (caller's thread).
+    * ``drained()``: the lane was drained (caller's thread).
+
+    ``timed``: the lane times every step on the device (events), for its records.
+    ``tunes``: ``settings_for`` may change the lane's settings from one iteration to the
+    next (the tuner); the lane then completes each step as it finishes."""
+
+    timed = False
+    tunes = False
+
+    def settings_for(self, index: int):
+        return None
+
+    def at_head(self, it) -> None:
+        pass
+
+    def dispatched(self, it) -> None:
+        pass
+
+    def issuing(self, name: str) -> None:
+        pass
+
+    def issued(self) -> None:
+        pass
+
+    def wants_records(self) -> bool:
+        return self.timed
+
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        pass
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        pass
+
+    def drained(self) -> None:
+        pass
+
+
+class Extensions(Extension):
+    """Several extensions of one lane as one, each point called on each in order."""
+
+    def __init__(self, parts: Sequence[Extension]):
+        self.parts = tuple(parts)
+        self.timed = any(p.timed for p in self.parts)
+        self.tunes = any(p.tunes for p in self.parts)
+
+    def settings_for(self, index: int):
+        for part in self.parts:
+            settings = part.settings_for(index)
+            if settings is not None:
+                return settings
+        return None
+
+    def at_head(self, it) -> None:
+        for part in self.parts:
+            part.at_head(it)
+
+    def dispatched(self, it) -> None:
+        for part in self.parts:
+            part.dispatched(it)
+
+    def issuing(self, name: str) -> None:
+        for part in self.parts:
+            part.issuing(name)
+
+    def issued(self) -> None:
+        for part in reversed(self.parts):
+            part.issued()
+
+    def wants_records(self) -> bool:
+        return any(p.wants_records() for p in self.parts)
+
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        for part in self.parts:
+            if part.wants_records():
+                part.on_chunks(records)
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        for part in self.parts:
+            part.on_iteration(record)
+
+    def drained(self) -> None:
+        for part in self.parts:
+            part.drained()
+
+
+class Observer(Extension):
+    """What observes a scheduler (telemetry): subclass it and define ``on_chunk`` (and
+    ``on_chunks`` where a batch can be taken at once) and ``on_iteration``. It times every
+    step and wants every record; one observer serves all the lanes of a scheduler."""
+
+    timed = True
 
     def on_chunks(self, records: List[ChunkRecord]) -> None:
         """Chunk steps that finished together on the device, in issue order. Called from
         the completion thread, or, on CUDA without a credit window, from the thread that
-        ends an iteration (see the scheduler's "Completion hand-off"); by default
+        ends an iteration (see [Note: completion hand-off] in docs/design.md); by default
         ``on_chunk`` for each."""
         for record in records:
             self.on_chunk(record)
@@ -78,3 +200,22 @@ class Observer:
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (all its requests submitted). Training thread."""
+
+
+class _Observing(Observer):
+    """An object with ``on_chunks`` and ``on_iteration`` as an observer."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def on_chunks(self, records: List[ChunkRecord]) -> None:
+        self.target.on_chunks(records)
+
+    def on_iteration(self, record: IterationRecord) -> None:
+        self.target.on_iteration(record)
+
+
+def as_extension(observer) -> Extension:
+    """``observer`` as a lane extension: an ``Extension`` is one; any other object with
+    ``on_chunks`` and ``on_iteration`` is observed as an ``Observer`` would be."""
+    return observer if isinstance(observer, Extension) else _Observing(observer)

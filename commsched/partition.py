@@ -25,7 +25,7 @@ SLIVER = 8
 class Chunk:
     """One schedulable unit: a contiguous piece of an all-reduce, or the same piece of
     every shard of a reduce-scatter / all-gather. Carries its dispatch-time state.
-    ``request`` is None once the lane is done with the chunk (see scheduler._release)."""
+    ``request`` is None once the lane is done with the chunk (see lane.release)."""
 
     __slots__ = (
         "request", "index", "offset", "numel", "nbytes",

@@ -3,7 +3,7 @@
 - ``check_agreement``: before the first collective, every rank compares a digest of the
   settings and layouts that decide its collective sequence; a difference is an error on
   every rank that names the field and the ranks.
-- ``sequence_digest`` / ``compare_sequences``: with ``COMMSCHED_VERIFY=1`` each iteration's
+- ``step_crc`` / ``verify_sequences``: with ``COMMSCHED_VERIFY=1`` each iteration's
   dispatch sequence is reduced to a CRC, the CRCs are compared across ranks, and on a
   difference the sequences themselves are gathered to name the first divergence.
 """
@@ -14,11 +14,13 @@ import hashlib
 import zlib
 from typing import Dict, List, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
-from .errors import CommschedError
+from .errors import CommschedError, SchedulerError
 
-__all__ = ["AgreementError", "check_agreement", "step_crc", "first_divergence"]
+__all__ = ["AgreementError", "check_agreement", "step_crc", "first_divergence",
+           "verify_sequences"]
 
 
 class AgreementError(CommschedError, RuntimeError):
@@ -76,3 +78,22 @@ def first_divergence(sequences: Sequence[Sequence[tuple]], ranks: Sequence[int])
             detail = ", ".join(f"rank {r}: {e}" for r, e in zip(ranks, entries))
             return f"first divergence at collective #{position}: {detail}"
     return "sequences differ only in their digests"
+
+
+def verify_sequences(checked: Sequence[tuple], group, device, world_size: int,
+                     ranks: Sequence[int], lane_name: str) -> Optional[SchedulerError]:
+    """Compare the digests of ``checked`` iterations, (index, crc, sequence) each, across
+    the group (a collective: call it at the same place of every rank's sequence); on a
+    difference gather the sequences and return the error naming the first divergence."""
+    local = torch.tensor([v for index, crc, _ in checked for v in (index, crc)],
+                         dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local, group=group)
+    if all(torch.equal(g.cpu(), local.cpu()) for g in gathered):
+        return None
+    sequences: List[Optional[list]] = [None] * world_size
+    dist.all_gather_object(sequences, [e for _, _, seq in checked for e in seq], group=group)
+    return SchedulerError(
+        f"commsched: dispatch sequences of lane {lane_name} differ across ranks "
+        f"(iterations {checked[0][0]}..{checked[-1][0]}): "
+        f"{first_divergence(sequences, ranks)}")

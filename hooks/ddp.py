@@ -16,8 +16,8 @@ A bucket the plan or the credit window held back returns the request's future, r
 once issued, with no stream; the last bucket's call then makes the current stream wait for
 every collective issued (``Scheduler.join``) before DDP reads the buckets. One wait for
 all would queue every copy behind the last collective, which costs more than the futures
-(see ``benchmarks/ddp_hook_overhead_2xH100_2026-11-27.md``). On CPU the futures resolve
-when the collectives finished.
+(measured: ``docs/design.md`` links the report). On CPU the futures resolve when the
+collectives finished.
 
 Averaging is DDP's: the bucket divided by the group size, then summed. On NCCL with a
 power-of-two group the collective averages instead (``ReduceOp.AVG``: the same values,
@@ -29,6 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from commsched.adapter import build_scheduler, close
 from commsched.config import Config, warn_data_parallel_only
 from commsched.scheduler import Scheduler
 
@@ -49,16 +50,14 @@ class CommschedState:
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
-        config = (config if config is not None else Config.from_env()).with_policy("priority")
+        config = config if config is not None else Config.from_env()
         warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None
-        if observer is None and scheduler is None and config.telemetry_dir:
-            from commsched.telemetry import open_rank_recorder
-
-            observer = self.recorder = open_rank_recorder(
-                config, next(ddp_model.parameters()).device)
-        self.scheduler = (scheduler if scheduler is not None
-                          else Scheduler(config, observer, owns_groups=True))
+        if scheduler is None:
+            scheduler, self.recorder = build_scheduler(
+                config, next(ddp_model.parameters()).device, policy="priority",
+                observer=observer)
+        self.scheduler = scheduler
         self.group = group if group is not None else getattr(ddp_model, "process_group", None)
         module = getattr(ddp_model, "module", ddp_model)
         # parameters() is registration order, which for the models DDP sees is forward
@@ -70,9 +69,7 @@ class CommschedState:
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
-        from commsched.telemetry import close_with_scheduler
-
-        close_with_scheduler(self.scheduler, self.recorder, timeout)
+        close(self.scheduler, self.recorder, timeout)
 
     def priority(self, bucket: dist.GradBucket) -> int:
         """Forward position of the bucket's earliest parameter (lower goes first)."""

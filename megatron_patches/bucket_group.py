@@ -80,9 +80,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from commsched.adapter import build_scheduler, close
 from commsched.config import Config
 from commsched.scheduler import Request, Scheduler
-from commsched.telemetry import open_rank_recorder
 
 from .versions import MegatronSeries
 
@@ -360,10 +360,8 @@ class Runtime:
         if self.scheduler is None:
             with self._lock:
                 if self.scheduler is None:
-                    observer = self.observer
-                    if observer is None and self.config.telemetry_dir:
-                        observer = self.recorder = open_rank_recorder(self.config, device)
-                    self.scheduler = Scheduler(self.config, observer)
+                    self.scheduler, self.recorder = build_scheduler(
+                        self.config, device, policy="fifo", observer=self.observer)
                     # Logged here rather than in apply(): megatron sets up logging after
                     # it imported the module that apply_on_import() patches.
                     logger.info("commsched: megatron-core %s bucket-group collectives go "
@@ -374,12 +372,7 @@ class Runtime:
     def close(self, timeout: Optional[float] = 300.0) -> None:
         """Complete what is outstanding, stop the scheduler's threads, close telemetry."""
         if self.scheduler is not None:
-            try:
-                self.scheduler.drain(timeout)
-            finally:
-                self.scheduler.close()
-        if self.recorder is not None and hasattr(self.recorder, "close"):
-            self.recorder.close()
+            close(self.scheduler, self.recorder, timeout)
 
 
 def _reduction(average: bool, group, tensor: torch.Tensor):

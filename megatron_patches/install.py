@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Optional
 
-from commsched.config import Config, ConfigError, warn_data_parallel_only
+from commsched.config import Config, warn_data_parallel_only
 
 from . import versions
 
@@ -55,7 +55,6 @@ def apply(config: Optional[Config] = None, *, observer=None) -> None:
         if _installed is not None:
             return
         config = Config.from_env() if config is None else config
-        _check_config(config)
         warn_data_parallel_only(config, "Megatron patches")
         module = importlib.import_module(TARGET)
         cls = module._ParamAndGradBucketGroup
@@ -110,7 +109,6 @@ def apply_on_import(config: Config) -> None:
         runpy.run_path("pretrain_gpt.py", run_name="__main__")
     """
     global _finder
-    _check_config(config)
     with _lock:
         if _installed is not None:
             return
@@ -130,16 +128,6 @@ def _uninstall_finder() -> None:
         except ValueError:
             pass
         _finder = None
-
-
-def _check_config(config: Config) -> None:
-    """The settings the patches cannot honour, rejected before anything is patched."""
-    if config.dispatch == "thread":
-        raise ConfigError(
-            "COMMSCHED_DISPATCH=thread: not with the Megatron patches. Megatron issues "
-            "collectives of its own on the data-parallel group while parameter all-gathers "
-            "are queued (the loss average in forward), and a dispatch thread could order "
-            "them differently on different ranks; use auto or inline")
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -56,7 +56,8 @@ _CURRENT = FakeStream()
 
 def install() -> None:
     """Patch this process for good (a spawned worker's)."""
-    import commsched.scheduler as scheduler
+    import commsched.issue as issue
+    import commsched.lane as lane
 
     cuda = torch.cuda
     cuda.Stream = FakeStream
@@ -78,24 +79,26 @@ def install() -> None:
         return None if options is not None and not options.asyncOp else work
 
     group_type.allreduce = synchronous_allreduce
-    issue_step = scheduler.issue_step
+    issue_step = issue.issue_step
 
     def synchronous_issue_step(chunk, step):
         work = issue_step(chunk, step)
         work.wait()
         return work
 
-    scheduler.issue_step = synchronous_issue_step
-    lane_init = scheduler._Lane.__init__
+    issue.issue_step = synchronous_issue_step
+    lane_init = lane.Lane.__init__
 
     def init(self, *args, **kwargs):
         lane_init(self, *args, **kwargs)
-        self.cuda = self.stream_ordered = True
-        self.batched = self.lean and not self.timed and not self.config.credit_bytes
-        completion = self.completion
-        completion.polled = not self.config.credit_bytes and self.tuner is None
+        self.cuda = True
+        self.batched = self.lean and not self.config.credit_bytes
+        completion, issuer = self.completion, self.issuer
+        completion.cuda = completion.ordered = issuer.cuda = True
+        completion.polled = not self.config.credit_bytes and not (
+            self.ext is not None and self.ext.tunes)
         # (gloo's works cannot time themselves: their steps keep their completion's time)
-        self.group_timed = completion.polled and self.observer is not None
-        self.launch_stream, completion.done_stream = FakeStream(), FakeStream()
+        issuer.group_timed = completion.polled and self.timed
+        issuer.launch_stream, completion.done_stream = FakeStream(), FakeStream()
 
-    scheduler._Lane.__init__ = init
+    lane.Lane.__init__ = init

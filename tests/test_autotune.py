@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from commsched import Config, Scheduler, autotune
-from commsched.autotune import Settings
+from commsched.autotune import Settings, Tuner
 from commsched.config import ConfigError
 from commsched.telemetry import load_run, open_recorder
 from distributed import run_workers
@@ -116,7 +116,7 @@ def forced_candidate_switches_every_rank_at_the_same_iteration(rank, world, run_
     seen = []
     rec = open_recorder(Config(telemetry_dir=run_dir), rank=rank, world_size=world,
                         nvml_period_ms=0)
-    sched = Scheduler(Config(**BASE), observer=rec, trace_dispatch=True)
+    sched = Scheduler(Config(**BASE), observer=rec, trace_dispatch=True, extensions=[Tuner])
     with stub_tuner(baseline_ms=10.0, trial_ms=5.0, seen=seen):
         iterations = train(rank, sched, sleeps=False)
     logs, tunings = gather(sched.dispatch_log(), world), gather(sched.tuning_log(), world)
@@ -165,7 +165,8 @@ def forced_candidate_switches_every_rank_at_the_same_iteration(rank, world, run_
 def slower_trial_is_reverted_under_random_per_rank_delays(rank, world, run_dir):
     """A forced candidate, measured slower, with random per-rank sleeps between
     submissions: no hang, the revert applies on every rank from the agreed iteration."""
-    sched = Scheduler(Config(**dict(BASE, credit_bytes=2048)), trace_dispatch=True)
+    sched = Scheduler(Config(**dict(BASE, credit_bytes=2048)), trace_dispatch=True,
+                      extensions=[Tuner])
     with stub_tuner(baseline_ms=5.0, trial_ms=6.0, seen=[]):
         iterations = train(rank, sched, sleeps=True)
     logs, tunings = gather(sched.dispatch_log(), world), gather(sched.tuning_log(), world)
@@ -186,7 +187,7 @@ def real_search_ranks_agree_and_results_unchanged(rank, world, run_dir):
     """commsched.sim.tune itself (no stub), random per-rank sleeps: the ranks agree on
     every decision and dispatch, and results stay equal to the reference."""
     sched = Scheduler(Config(**dict(BASE, decompose="rs_ag", credit_bytes=4096)),
-                      trace_dispatch=True)
+                      trace_dispatch=True, extensions=[Tuner])
     train(rank, sched, sleeps=True)
     logs, tunings = gather(sched.dispatch_log(), world), gather(sched.tuning_log(), world)
     sched.close()

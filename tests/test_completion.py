@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 
+import commsched.issue
 import commsched.scheduler
 from commsched import Config, Scheduler, SchedulerError
 
@@ -43,7 +44,7 @@ def works(monkeypatch):
         issued.append(work)
         return work
 
-    monkeypatch.setattr(commsched.scheduler, "issue_step", issue_step)
+    monkeypatch.setattr(commsched.issue, "issue_step", issue_step)
     return issued
 
 
@@ -120,14 +121,14 @@ def test_completed_chunks_let_go_of_their_collectives(world1, monkeypatch):
     # A collective's work may own buffers until it is destroyed (NCCL keeps the flat output
     # of a list-form all-gather in it), and requests and chunks reference each other: a
     # work a finished chunk still held would live until Python's cycle collector ran.
-    real, refs = commsched.scheduler.issue_step, []
+    real, refs = commsched.issue.issue_step, []
 
     def issue_step(chunk, step):
         work = real(chunk, step)
         refs.append(weakref.ref(work))
         return work
 
-    monkeypatch.setattr(commsched.scheduler, "issue_step", issue_step)
+    monkeypatch.setattr(commsched.issue, "issue_step", issue_step)
     gc.disable()                  # reference counting only
     sched = Scheduler(Config(partition_bytes=1024))
     try:

@@ -212,3 +212,21 @@ def test_data_parallel_only_settings_are_named_where_set():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_data_parallel_only(Config(partition_bytes=4 << 20), "DDP hook")
+
+
+def test_a_removed_variable_is_an_error_that_says_what_replaced_it():
+    with pytest.raises(ConfigError, match="COMMSCHED_DISPATCH: no longer a commsched setting: "
+                                          "collectives are always issued by the thread"):
+        Config.from_env({"COMMSCHED_DISPATCH": "thread"})
+
+
+def test_settings_served_by_an_extension_need_it_in_a_bare_scheduler(world1):
+    from commsched import Scheduler
+    from commsched.adapter import build_scheduler
+    for name in ("autotune", "nvtx"):
+        with pytest.raises(ConfigError, match=f"{name}=True needs the extension"):
+            Scheduler(Config(**{name: True}))
+        scheduler, recorder = build_scheduler(Config(**{name: True}))
+        assert recorder is None and name in {
+            provided for make in scheduler.extensions for provided in make.provides}
+        scheduler.close()

@@ -2,8 +2,8 @@
 (``fake_cuda``: streams and events that do nothing, gloo collectives made synchronous).
 
 They check the bookkeeping of what otherwise runs only on GPUs — completion batches and
-their caller-side completion, held requests issued from the launch stream, a dispatch
-thread, per-step events under a credit window or telemetry, the watchdog handing stale
+their caller-side completion, held requests issued from the launch stream, per-step
+events under a credit window or telemetry, the watchdog handing stale
 batches over, the DDP hook's per-bucket futures — against plain collectives and stock
 DDP. With 2 ranks every sum is a + b, so results must be bitwise equal. Streams and
 devices themselves: ``tests/gpu``.
@@ -67,7 +67,7 @@ def _cuda_paths(rank, world):
         assert all(r.issued_work() is not None for r in reqs)     # issued at once
         assert len(lane.completion.in_flight) <= 2, (it, len(lane.completion.in_flight))
         assert sched.stats()["thread_batches"] == 0
-        assert lane.link_cost.nbytes == 0           # batches are not link time
+        assert lane.order.link_cost.nbytes == 0           # batches are not link time
     _iterations(sched, rank, 6, backwards, default_checks)
     assert sched.stats()["completion_batches"] >= 5
     sched.close()
@@ -95,11 +95,11 @@ def _cuda_paths(rank, world):
     lane = sched._lanes[group]
     assert not lane.batched and lane.completion.polled
     sched.drain(timeout=30)
-    assert not lane.completion.in_flight and lane.in_flight_bytes == 0
+    assert not lane.completion.in_flight and lane.credit.in_flight == 0
     chunks = sum(-(-n * 4 // 1024) for n in SIZES)
     assert len(records.chunks) == 5 * chunks
     assert [r.iteration for r in records.iterations] == list(range(5))
-    assert lane.link_cost.nbytes > 0            # per-step events: measured
+    assert lane.order.link_cost.nbytes > 0            # per-step events: measured
     assert sched.stats()["thread_batches"] <= 1      # (drain's)
     assert sched.stats()["completion_batches"] >= 4
     assert anchors.count(threading.get_ident()) == 1
@@ -114,24 +114,12 @@ def _cuda_paths(rank, world):
     lane = sched._lanes[group]
     assert not lane.completion.polled
     sched.drain(timeout=30)
-    assert lane.in_flight_bytes == 0 and not lane.completion.in_flight
+    assert lane.credit.in_flight == 0 and not lane.completion.in_flight
     assert 0 < sched.stats()["peak_in_flight_bytes"] <= 2048 + 512
     assert sched.stats()["thread_batches"] > 0
     assert set(anchors) == {lane.completion.thread.ident}
     EventClock.refresh = refresh
     sched.close()
-
-    # A dispatch thread issues what the caller submits, from the launch stream after each
-    # request's ready event: no request offers a work issued from the caller's stream.
-    sched = commsched.Scheduler(Config(partition_bytes=1024, dispatch="thread",
-                                       profile_iters=1))
-
-    def from_the_thread(it, reqs):
-        assert all(r.issued_work() is None for r in reqs), it
-    _iterations(sched, rank, 4, backwards, from_the_thread)
-    sched.drain(timeout=30)
-    sched.close()
-    assert not sched._lanes[group].inbox.thread.is_alive()
 
     # rs_ag: two steps per chunk, the second issued right behind the first.
     sched = commsched.Scheduler(Config(partition_bytes=1000, decompose="rs_ag",
@@ -184,7 +172,7 @@ def _synchronous_requests(rank, world):
         for r, e in zip(reqs, expected):
             assert torch.equal(r.wait(), e), (it, r.key)
     sched.drain(timeout=30)
-    assert lane.in_flight_bytes == 0 and not lane.completion.in_flight
+    assert lane.credit.in_flight == 0 and not lane.completion.in_flight
     assert lane.completion.joined is None and not lane.completion.newest
     try:
         sched.submit(torch.ones(4), key="bad", async_op=0)

@@ -69,9 +69,6 @@ CONFIGS = [
     Config(partition_bytes=512, credit_bytes=2048, policy="priority", profile_iters=1),
     Config(partition_bytes=1000, credit_bytes=0, policy="fifo", decompose="rs_ag"),
     Config(partition_bytes=0, credit_bytes=0, decompose="none"),
-    # the collectives issued by a dispatch thread, as on CUDA (Config.dispatch)
-    Config(partition_bytes=512, credit_bytes=0, policy="priority", profile_iters=1,
-           dispatch="thread"),
 ]
 
 

@@ -1,13 +1,13 @@
 """The host-clock times a lane gives its timed steps on CUDA
-(``_Completion.device_times``), against times worked out by hand from the device times the
+(``Completion.device_times``), against times worked out by hand from the device times the
 fakes below report; and how a polled lane's completion thread waits for an event
-(``_Completion.wait``)."""
+(``Completion.wait``)."""
 
 from types import SimpleNamespace
 
-from commsched.completion import _Completion, _InFlight
-from commsched.scheduler import _Lane
-from commsched.telemetry.device_clock import EventClock
+from commsched.clock import EventClock
+from commsched.completion import Completion, InFlight
+from commsched.issue import Issuer
 
 MS = 1_000_000                    # ns per ms
 
@@ -41,13 +41,13 @@ def completion(previous_end=0):
     device clock + 10 s."""
     clock = EventClock(stream=None)
     clock.anchor = (DeviceEvent(0), 10_000 * MS)
-    return SimpleNamespace(lane=SimpleNamespace(cuda=True, device=None), polled=True,
-                           clock=clock, group_end_ns=previous_end)
+    return SimpleNamespace(cuda=True, device=None, polled=True, clock=clock,
+                           group_end_ns=previous_end)
 
 
 def step(start=None, end=None, duration=None, cross_group=False):
     chunk = SimpleNamespace(request=SimpleNamespace(cross_group=cross_group))
-    return _InFlight(chunk=chunk, step=0, work=TimedWork(duration),
+    return InFlight(chunk=chunk, step=0, work=TimedWork(duration),
                      start=None if start is None else DeviceEvent(start),
                      end=None if end is None else DeviceEvent(end))
 
@@ -57,7 +57,7 @@ def test_a_step_starts_when_ready_or_when_the_groups_previous_step_ended():
     batch = [step(start=2 * MS, duration=3 * MS),      # ready early: after the previous
              step(start=20 * MS, duration=1 * MS),     # ready after the previous ended
              step(start=20 * MS + 500, duration=2 * MS)]
-    times = _Completion.device_times(host, batch, t_seen=99)
+    times = Completion.device_times(host, batch, t_seen=99)
     t0 = 10_000 * MS
     assert times == [(t0 + 5 * MS, t0 + 8 * MS),
                      (t0 + 20 * MS, t0 + 21 * MS),
@@ -67,7 +67,7 @@ def test_a_step_starts_when_ready_or_when_the_groups_previous_step_ended():
 
 def test_end_events_give_the_end_and_start_events_the_start():
     host = completion()
-    times = _Completion.device_times(host, [step(start=4 * MS, end=7 * MS)], t_seen=99)
+    times = Completion.device_times(host, [step(start=4 * MS, end=7 * MS)], t_seen=99)
     assert times == [(10_004 * MS, 10_007 * MS)]
 
 
@@ -77,7 +77,7 @@ def test_a_step_with_an_end_event_on_the_group_moves_the_groups_end_on():
     batch = [step(start=1 * MS, end=6 * MS),              # (sealed: an end event)
              step(start=2 * MS, end=9 * MS, cross_group=True),   # another group's
              step(start=3 * MS, duration=1 * MS)]
-    times = _Completion.device_times(host, batch, t_seen=99)
+    times = Completion.device_times(host, batch, t_seen=99)
     assert times[2] == (t0 + 6 * MS, t0 + 7 * MS)
     assert host.group_end_ns == t0 + 7 * MS
 
@@ -90,7 +90,7 @@ def test_steps_that_cannot_be_timed_are_seen_when_completed():
              step(start=None, end=None),               # untimed
              failed,
              step(start=5 * MS, end=None, duration=1 * MS)]
-    times = _Completion.device_times(host, batch, t_seen=42)
+    times = Completion.device_times(host, batch, t_seen=42)
     assert times[:3] == [(None, 42)] * 3
     assert times[3] == (10_005 * MS, 10_006 * MS)
 
@@ -98,7 +98,7 @@ def test_steps_that_cannot_be_timed_are_seen_when_completed():
 def test_a_batch_without_events_maps_nothing():
     host = completion()
     host.clock = None                                  # would be made, on a device
-    assert _Completion.device_times(host, [step(), step()], t_seen=7) == [(None, 7)] * 2
+    assert Completion.device_times(host, [step(), step()], t_seen=7) == [(None, 7)] * 2
     assert host.clock is None
 
 
@@ -117,24 +117,24 @@ class LateEvent:
 
 
 def test_a_polled_lanes_completion_thread_looks_until_the_event_completed():
-    host = SimpleNamespace(polled=True, lane=SimpleNamespace(failure=None))
-    item = _InFlight(chunk=object(), step=0, work=None, start=None, end=LateEvent(4))
-    _Completion.wait(host, item)
+    host = SimpleNamespace(polled=True, failure=None)
+    item = InFlight(chunk=object(), step=0, work=None, start=None, end=LateEvent(4))
+    Completion.wait(host, item)
     assert item.end.queries == 4 and item.error is None
 
 
 def test_it_stops_looking_once_the_lane_failed():
     failure = RuntimeError("the watchdog gave up")
-    host = SimpleNamespace(polled=True, lane=SimpleNamespace(failure=None))
+    host = SimpleNamespace(polled=True, failure=None)
 
     class NeverCompletes(LateEvent):
         def query(self):
             if super().query() is False and self.queries == 3:
-                host.lane.failure = failure   # (the watchdog, meanwhile)
+                host.failure = failure        # (the watchdog, meanwhile)
             return False
 
-    item = _InFlight(chunk=object(), step=0, work=None, start=None, end=NeverCompletes(None))
-    _Completion.wait(host, item)
+    item = InFlight(chunk=object(), step=0, work=None, start=None, end=NeverCompletes(None))
+    Completion.wait(host, item)
     assert item.error is failure and item.end.queries == 3
 
 
@@ -143,25 +143,26 @@ def test_only_a_first_step_leaves_its_end_to_the_groups_timing(monkeypatch):
     start event, in whatever stream issued it, does not order it."""
     import torch
 
-    import commsched.scheduler as scheduler
+    import commsched.issue as issue
     from fake_cuda import FakeEvent, FakeStream
 
     class Work:
         def wait(self):
             pass
 
-    monkeypatch.setattr(scheduler, "issue_step", lambda chunk, step: Work())
+    monkeypatch.setattr(issue, "issue_step", lambda chunk, step: Work())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
-    host = SimpleNamespace(observer=object(), collecting=False, credit_bytes=0,
-                           group_timed=True, device=None,
-                           completion=SimpleNamespace(done_stream=FakeStream(),
-                                                      event=FakeEvent, newest={}))
+    host = SimpleNamespace(group_timed=True, device=None)
+    completion = SimpleNamespace(done_stream=FakeStream(), event=FakeEvent, newest={})
     request = SimpleNamespace(ready_event=None, cross_group=False)
     chunk = SimpleNamespace(request=request, staging=None, works=None)
-    start, end, _ = _Lane._issue_cuda(host, chunk, 0, last=False)
+
+    def issue_cuda(step, last):           # timed (telemetry), no credit window
+        return Issuer.issue_cuda(host, chunk, step, last, True, False, completion)
+    start, end, _ = issue_cuda(0, last=False)
     assert start is not None and end is None
-    start, end, _ = _Lane._issue_cuda(host, chunk, 1, last=True)
+    start, end, _ = issue_cuda(1, last=True)
     assert start is not None and end is not None
     host.group_timed = False                        # (no group timing: an end event each)
-    assert _Lane._issue_cuda(host, chunk, 0, last=False)[1] is not None
+    assert issue_cuda(0, last=False)[1] is not None

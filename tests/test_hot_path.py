@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-import commsched.scheduler
+import commsched.issue
 from commsched import Config, Scheduler
 from commsched.plan import Plan
 
@@ -20,14 +20,14 @@ from commsched.plan import Plan
 @pytest.fixture
 def issued(monkeypatch):
     """(request key, thread name) of every issued step, in issue order."""
-    real = commsched.scheduler.issue_step
+    real = commsched.issue.issue_step
     log = []
 
     def issue_step(chunk, step):
         log.append((chunk.request.key, threading.current_thread().name))
         return real(chunk, step)
 
-    monkeypatch.setattr(commsched.scheduler, "issue_step", issue_step)
+    monkeypatch.setattr(commsched.issue, "issue_step", issue_step)
     return log
 
 
@@ -52,8 +52,8 @@ def test_a_request_the_plan_puts_later_waits_for_the_one_before_it(world1, issue
     sched.drain(timeout=30)
     lane = sched._lanes[torch.distributed.group.WORLD]
     # Rank-invariant by construction: the same plan on every rank (one rank here).
-    lane.plan = Plan((("b", 0), ("a", 0)), {"a": 1, "b": 1})
-    lane.planned_layout, lane.next_profile = "kept", None
+    lane.order.plan = Plan((("b", 0), ("a", 0)), {"a": 1, "b": 1})
+    lane.order.planned_layout, lane.order.next_profile = "kept", None
     issued.clear()
     a = sched.submit(torch.full((8,), 2.0), key="a")
     assert issued == [] and not a.done()             # held: b goes first

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GradView", "LayerGroup", "build_groups"]
+__all__ = ["GradView", "LayerGroup", "build_groups", "grad_view_class", "sent", "narrows",
+           "copy_flags", "plain"]
 
 
 class GradView(torch.Tensor):
@@ -231,3 +232,34 @@ def build_groups(module: torch.nn.Module, group_bytes: int,
         if idx:
             module_groups[m] = idx
     return groups, module_groups
+
+
+def sent(g: LayerGroup) -> torch.Tensor:
+    """What the group's all-reduce sends: its buffer, or its copy in the communication
+    type (``COMMSCHED_GRAD_REDUCE_DTYPE``)."""
+    return g.buffer if g.comm is None else g.comm
+
+
+def narrows(dtype: torch.dtype, to: torch.dtype) -> bool:
+    """Whether casting floating-point gradients of ``dtype`` to ``to`` halves their bytes
+    or more (float32 or float64 to bfloat16 or float16); gradients already that narrow go
+    as they are."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(to).bits
+
+
+def copy_flags(dst: torch.Tensor, values: List[bool]) -> None:
+    """``dst[:] = values`` (1 or 0) without making the host wait for the device: all true
+    is a fill; otherwise a copy from pinned memory queued on the stream (the caching host
+    allocator keeps that memory until the copy ran). A copy from pageable memory would
+    synchronise the stream, i.e. wait for every kernel queued so far."""
+    if all(values):
+        dst.fill_(1)
+    elif dst.is_cuda:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype, pin_memory=True), non_blocking=True)
+    else:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype))
+
+
+def plain():
+    """GradView dispatch off: tensor operations on the slots themselves."""
+    return torch._C.DisableTorchFunctionSubclass()

@@ -42,8 +42,9 @@ from typing import List, Optional
 
 import torch
 
-from .engine import _UPDATE, _ZERO, WHOLE, OverlapEngine, copy_flags, sibling_group
-from .groups import LayerGroup
+from .actions import UPDATE, ZERO
+from .engine import WHOLE, OverlapEngine, sibling_group
+from .groups import LayerGroup, copy_flags
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
 __all__ = ["ZeroEngine"]
@@ -225,7 +226,7 @@ class ZeroEngine(OverlapEngine):
                         g.param_buffer, key=("ag", g.index), priority=g.index,
                         op="all_gather", group=self.gather_group, partition_bytes=WHOLE)
         self._round = False
-        self.scheduler.end_iteration(self.gather_group, private=True)
+        self.scheduler.end_iteration(self.gather_group)
 
     def _forward_pre_hook(self, groups: List[LayerGroup], module, args) -> None:
         if self._round:                 # the forward's first pre-hook runs the round
@@ -253,7 +254,7 @@ class ZeroEngine(OverlapEngine):
         self._finish_round()
         record = snapshot(self.optimizer.param_groups, kwargs)
         for g in self.groups:
-            g.actions.append((_UPDATE, record))
+            g.actions.append((UPDATE, record))
         self._round = True          # run by the next forward (Invariant 2)
         self._recorder_step()
 
@@ -261,7 +262,7 @@ class ZeroEngine(OverlapEngine):
         """Queued behind the pending update of every group, and run with it (the optimizer
         holds only the model's parameters here: there are no others to zero now)."""
         for g in self.groups:
-            g.actions.append((_ZERO, set_to_none))
+            g.actions.append((ZERO, set_to_none))
 
     def drain(self) -> None:
         self._finish_backward()
@@ -299,7 +300,7 @@ class ZeroEngine(OverlapEngine):
                     op="all_gather", group=self.gather_group, partition_bytes=WHOLE))
                 g.grads_full = True
                 g.consistent = True
-        self.scheduler.end_iteration(self.gather_group, private=True)
+        self.scheduler.end_iteration(self.gather_group)
         for req in gathers:
             req.wait()
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["nvtx_range_push", "nvtx_range_pop", "range_start", "range_end", "mark", "backend"]
+from ..observer import Extension
+
+__all__ = ["nvtx_range_push", "nvtx_range_pop", "range_start", "range_end", "mark", "backend",
+           "NvtxRanges"]
 
 _lock = threading.Lock()
 _impl: Optional[dict] = None
@@ -84,3 +87,19 @@ def range_end(handle) -> None:
 def mark(name: str) -> None:
     """An instantaneous marker."""
     _get("mark")(name)
+
+
+class NvtxRanges(Extension):
+    """A lane extension (``Config.nvtx``): an NVTX range around each collective step the
+    lane issues, on the issuing thread."""
+
+    provides = ("nvtx",)
+
+    def __init__(self, lane=None) -> None:
+        pass
+
+    def issuing(self, name: str) -> None:
+        nvtx_range_push(name)
+
+    def issued(self) -> None:
+        nvtx_range_pop()

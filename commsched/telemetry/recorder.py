@@ -210,12 +210,9 @@ def close_with_scheduler(scheduler, recorder: Optional["Recorder"],
                          timeout: Optional[float] = 60.0) -> None:
     """Wait for ``scheduler``'s outstanding chunks, stop it (its completion threads hand the
     last chunk records to the recorder on the way out), then close ``recorder`` (if any)."""
-    try:
-        scheduler.drain(timeout)
-    finally:
-        scheduler.close()
-        if recorder is not None:
-            recorder.close()
+    from ..adapter import close
+
+    close(scheduler, recorder, timeout)
 
 
 # Knobs that belong in Config; until they are there these defaults apply. An explicit

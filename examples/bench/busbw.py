@@ -260,11 +260,10 @@ class CommschedAllReduce:
     __slots__ = ("scheduler", "recorder", "requests", "ran", "async_op")
 
     def __init__(self, config, device: torch.device, async_op: bool = True):
-        commsched = benchlib.import_commsched()
-        from commsched.telemetry import open_rank_recorder
+        benchlib.import_commsched()
+        from commsched.adapter import build_scheduler
 
-        self.recorder = open_rank_recorder(config, device) if config.telemetry_dir else None
-        self.scheduler = commsched.Scheduler(config, self.recorder)
+        self.scheduler, self.recorder = build_scheduler(config, device)
         self.requests: List[Any] = []
         self.ran: Optional[str] = None      # the decomposition the last call ran
         self.async_op = async_op
@@ -294,8 +293,8 @@ class CommschedAllReduce:
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, stop the scheduler, then close the recorder."""
-        from commsched.telemetry import close_with_scheduler
-        close_with_scheduler(self.scheduler, self.recorder, timeout)
+        from commsched.adapter import close
+        close(self.scheduler, self.recorder, timeout)
 
 
 def variant_config(spec: "LaunchSpec", name: str):

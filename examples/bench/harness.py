@@ -899,8 +899,6 @@ MODES: List[Mode] = [
     Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
          lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
                                          policy="fifo")),
-    Mode("ddp_commsched_thread", "5g as 5, collectives issued by a dispatch thread "
-         "(COMMSCHED_DISPATCH=thread)", lambda bench: run_ddp_commsched(bench, dispatch="thread")),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
     Mode("commsched_dp_unbounded", "6e as 6, every layer group in flight at once "
          "(COMMSCHED_GROUPS_IN_FLIGHT=0)",
@@ -912,8 +910,6 @@ MODES: List[Mode] = [
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
     Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
          lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
-    Mode("commsched_dp_thread", "6d as 6, collectives issued by a dispatch thread "
-         "(COMMSCHED_DISPATCH=thread)", lambda bench: run_commsched_dp(bench, dispatch="thread")),
     Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
          lambda bench: run_commsched_dp(bench, plan_forward=False)),
     Mode("commsched_dp_fifo", "6i as 6, layer groups issued in the order they are ready "

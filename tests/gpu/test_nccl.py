@@ -33,11 +33,8 @@ CONFIGS = [
     commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10, profile_iters=1),
     commsched.Config(partition_bytes=100_000, credit_bytes=0, decompose="rs_ag", policy="fifo"),
     commsched.Config(partition_bytes=0, credit_bytes=0),
-    # A dispatch thread issues the collectives (Config.dispatch; inline by default).
-    commsched.Config(partition_bytes=64 << 10, credit_bytes=0, profile_iters=1,
-                     dispatch="thread"),
-    commsched.Config(partition_bytes=100_000, credit_bytes=256 << 10, decompose="rs_ag",
-                     dispatch="thread"),
+    commsched.Config(partition_bytes=64 << 10, credit_bytes=0, profile_iters=1),
+    commsched.Config(partition_bytes=100_000, credit_bytes=256 << 10, decompose="rs_ag"),
     # Each GPU a node: intra-node steps on one-rank groups, the sum between "nodes".
     commsched.Config(partition_bytes=1 << 20, credit_bytes=4 << 20, decompose="hier",
                      local_size=1),
@@ -189,7 +186,7 @@ def _lazy_completion(rank, world, port):
             # (a 256 KiB all-reduce between two GPUs of one node: microseconds)
             assert 0 < r.t_end_ns - r.t_start_ns < 50_000_000, r
     # Telemetry on a lane the caller completes: the group timed its collectives itself.
-    assert sched._lanes[dist.group.WORLD].group_timed
+    assert sched._lanes[dist.group.WORLD].issuer.group_timed
     sched.close()
     dist.destroy_process_group()
 
@@ -228,7 +225,7 @@ def _polled_completion(rank, world, port):
     assert sched.stats()["thread_batches"] >= 1
     for r in reqs:
         assert torch.equal(r.wait().cpu(), expected)
-    assert lane.link_cost.nbytes == 0 and lane.link_cost.seconds_per_byte == 0.0
+    assert lane.order.link_cost.nbytes == 0 and lane.order.link_cost.seconds_per_byte == 0.0
     sched.close()
     dist.destroy_process_group()
 
@@ -237,41 +234,39 @@ def _device_flush(rank, world, port):
     """A GPU-bound end of backward: the host ends each iteration while its device is busy
     for about 100 ms more, and the gradient comes after that. Telemetry stores as the
     iteration's flush when the device got there, so the all-reduce right after it is not
-    counted exposed for the host's head start; inline and from a dispatch thread."""
+    counted exposed for the host's head start."""
     _init(rank, world, port)
-    for dispatch in ("inline", "thread"):
-        with tempfile.TemporaryDirectory() as run_dir:
-            rec = open_recorder(commsched.Config(telemetry_dir=run_dir), rank=rank,
-                                world_size=world, nvml_period_ms=0)
-            # (fifo: a priority plan's profile exchange, in iteration 2, waits for the
-            # device; inline, on this thread, which would then no longer be ahead)
-            sched = commsched.Scheduler(
-                commsched.Config(partition_bytes=0, credit_bytes=0, dispatch=dispatch,
-                                 policy="fifo"),
-                observer=rec)
-            host_flush = []
-            for k in range(4):
-                t = torch.full((1 << 20,), float(rank + 1), device="cuda")
-                if k:
-                    # (Not in iteration 0: its submit sets the lane up, which waits for
-                    # the device, and the host would not be ahead any more.)
-                    torch.cuda._sleep(200_000_000)        # ~100 ms of device time
-                req = sched.submit(t, key=0)
-                host_flush.append(time.time_ns())
-                sched.end_iteration()
-                sched.drain(timeout=60)
-                assert torch.equal(req.wait().cpu(), torch.full((1 << 20,), 3.0))
-            sched.close()
-            rec.close()
-            with sqlite3.connect(rank_path(run_dir, rank)) as conn:
-                rows = conn.execute("SELECT t_flush_ns, exposed_comm_ns FROM iterations "
-                                    "ORDER BY iteration").fetchall()
-            assert len(rows) == 4, (dispatch, rows)
-            for (t_flush, exposed), t_host in zip(rows[1:], host_flush[1:]):
-                assert t_flush - t_host > 50_000_000, (dispatch, t_flush - t_host)
-                # Against the host's ~100 ms head start: well under it, not zero, as the
-                # peer's sleep of as many cycles may end later (its clock runs slower).
-                assert exposed < 50_000_000, (dispatch, exposed)
+    with tempfile.TemporaryDirectory() as run_dir:
+        rec = open_recorder(commsched.Config(telemetry_dir=run_dir), rank=rank,
+                            world_size=world, nvml_period_ms=0)
+        # (fifo: a priority plan's profile exchange, in iteration 2, waits for the
+        # device, on this thread, which would then no longer be ahead)
+        sched = commsched.Scheduler(
+            commsched.Config(partition_bytes=0, credit_bytes=0, policy="fifo"),
+            observer=rec)
+        host_flush = []
+        for k in range(4):
+            t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+            if k:
+                # (Not in iteration 0: its submit sets the lane up, which waits for
+                # the device, and the host would not be ahead any more.)
+                torch.cuda._sleep(200_000_000)        # ~100 ms of device time
+            req = sched.submit(t, key=0)
+            host_flush.append(time.time_ns())
+            sched.end_iteration()
+            sched.drain(timeout=60)
+            assert torch.equal(req.wait().cpu(), torch.full((1 << 20,), 3.0))
+        sched.close()
+        rec.close()
+        with sqlite3.connect(rank_path(run_dir, rank)) as conn:
+            rows = conn.execute("SELECT t_flush_ns, exposed_comm_ns FROM iterations "
+                                "ORDER BY iteration").fetchall()
+        assert len(rows) == 4, rows
+        for (t_flush, exposed), t_host in zip(rows[1:], host_flush[1:]):
+            assert t_flush - t_host > 50_000_000, t_flush - t_host
+            # Against the host's ~100 ms head start: well under it, not zero, as the
+            # peer's sleep of as many cycles may end later (its clock runs slower).
+            assert exposed < 50_000_000, exposed
     dist.destroy_process_group()
 
 
@@ -334,7 +329,6 @@ def _wrap_vs_stock_ddp(rank, world, port):
     _init(rank, world, port)
     ref = _train(None, dict(bucket_cap_mb=1), rank)
     cases = [(commsched.Config(), None),                        # default group size
-             (commsched.Config(dispatch="thread"), None),       # a dispatch thread
              (commsched.Config(), 0),                           # a group per layer
              (commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10), 0),
              (commsched.Config(decompose="rs_ag"), 0)]          # ZeRO-1 shards
@@ -373,13 +367,12 @@ def _delayed_producers_vs_stock_ddp(rank, world, port):
     behind, asleep before each layer's gradient kernels. A collective not ordered after
     them (or a DDP that read the buckets before the collectives ended) would reduce or
     apply stale values. Issued at submission (default), held back by a plan and a credit
-    window (the launch stream, after the ready event), and from a dispatch thread."""
+    window (the launch stream, after the ready event)."""
     _init(rank, world, port)
     ref = _train(None, dict(bucket_cap_mb=1), rank, steps=4, net=SlowBackward)
     for config in (commsched.Config(),
                    commsched.Config(partition_bytes=64 << 10, credit_bytes=256 << 10,
-                                    profile_iters=1),
-                   commsched.Config(dispatch="thread")):
+                                    profile_iters=1)):
         got = _train(config, dict(bucket_cap_mb=1), rank, steps=4, net=SlowBackward)
         for a, b in zip(got, ref):
             assert torch.equal(a, b), (config, (a - b).abs().max().item())

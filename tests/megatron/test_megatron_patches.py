@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 
 import commsched.megatron_patches as mp  # noqa: E402
-from commsched import Config, ConfigError  # noqa: E402
+from commsched import Config  # noqa: E402
 from commsched.megatron_patches import versions  # noqa: E402
 from commsched.megatron_patches.bucket_group import (  # noqa: E402
     GRAD_SYNC, PARAM_GATHER, PATCHED_METHODS, GroupState)
@@ -52,18 +52,6 @@ def test_unsupported_version_is_refused_and_nothing_is_patched(monkeypatch):
     assert "0.16.x, 0.19.x" in str(info.value)
     assert _same_functions(_methods(), before)
     assert not mp.is_applied()
-
-
-def test_a_dispatch_thread_is_refused_and_nothing_is_patched():
-    # Megatron's own collectives on the data-parallel group could interleave with it.
-    before = _methods()
-    for apply in (mp.apply, mp.apply_on_import):
-        with pytest.raises(ConfigError, match="COMMSCHED_DISPATCH=thread: not with the Megatron"):
-            apply(Config(dispatch="thread"))
-        assert _same_functions(_methods(), before)
-        assert not mp.is_applied()
-    mp.apply(Config(dispatch="auto"))
-    assert mp.is_applied()
 
 
 def test_data_parallel_only_settings_warn_and_the_patches_apply():

@@ -43,7 +43,6 @@ class Spec(NamedTuple):
     decompose: str = "none"
     reads_grads: bool = False
     subgroups: bool = False         # ranks {0,1} and {2,3} train separately (group=...)
-    dispatch: str = "auto"          # Config.dispatch (auto: inline on CPU)
     user_collective: bool = False   # the loop all-reduces the loss on the group every step
     set_to_none: bool = True        # zero_grad(set_to_none=...)
     per_rank_init: bool = False     # every rank initialises differently (see make_model)
@@ -281,7 +280,7 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         for p in inner.parameters():
             p.register_hook(lambda g: time.sleep(random.random() * 0.002))
     config = commsched.Config(decompose=spec.decompose, partition_bytes=256,
-                              credit_bytes=spec.credit, dispatch=spec.dispatch,
+                              credit_bytes=spec.credit,
                               groups_in_flight=spec.groups_in_flight)
     with warnings.catch_warnings(record=True) as caught, _plans(spec, trace):
         warnings.simplefilter("always")
@@ -318,9 +317,9 @@ def _plans(spec: Spec, trace: Trace):
     first (the group submitted first) to the end of each plan of whole requests: it then
     waits in the lane for every other one, the longest hold a plan can ask for. The plan's
     own first entry is not necessarily that group: it depends on the profiled timings."""
-    import commsched.scheduler as scheduler
+    import commsched.order as order
     from commsched.plan import Plan
-    real = scheduler.lane_plan
+    real = order.lane_plan
 
     def lane_plan(profile, credit_bytes, seconds_per_byte, feeds_forward=False):
         plan = real(profile, credit_bytes, seconds_per_byte, feeds_forward)
@@ -331,11 +330,11 @@ def _plans(spec: Spec, trace: Trace):
         trace.plans.append((feeds_forward, [key for key, _ in plan.order]))
         return plan
 
-    scheduler.lane_plan = lane_plan
+    order.lane_plan = lane_plan
     try:
         yield
     finally:
-        scheduler.lane_plan = real
+        order.lane_plan = real
 
 
 def _dispatched(log) -> Dict[int, list]:
@@ -479,15 +478,13 @@ CASES_2 = {
     "rs_ag_grad_scaler": Spec(opt="rmsprop", scaler=True, decompose="rs_ag"),
     "rs_ag_tied_adagrad_timing_eval": Spec(model="tied", opt="adagrad", sleeps=True, eval=True,
                                            state_dict_at_end=True, decompose="rs_ag"),
-    "dispatch_thread_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True,
-                                   dispatch="thread"),
+    "branchy_adamw_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True),
     "user_collective_timing": Spec(model="branchy", opt="sgd", sleeps=True,
                                    user_collective=True),
-    "rs_ag_user_collective_dispatch_thread": Spec(opt="adamw_foreach", sleeps=True,
-                                                  user_collective=True, decompose="rs_ag",
-                                                  dispatch="thread"),
-    "rs_ag_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
-                                                    decompose="rs_ag", dispatch="thread"),
+    "rs_ag_user_collective_timing": Spec(opt="adamw_foreach", sleeps=True,
+                                                  user_collective=True, decompose="rs_ag"),
+    "rs_ag_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
+                                                    decompose="rs_ag"),
     # each rank initialises parameters and buffers differently: rank 0's must win
     "per_rank_init": Spec(model="bn", opt="sgd", per_rank_init=True, eval=True,
                           state_dict_at_end=True),
@@ -499,21 +496,19 @@ CASES_2 = {
     # windows of whole layer groups (1, and the default 2), the others queued by priority
     "group_window_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True, credit=0,
                                 groups_in_flight=1),
-    "group_window_dispatch_thread_tied_accumulation": Spec(model="tied", opt="sgd", accum=2,
-                                                          dispatch="thread", credit=0),
+    "group_window_tied_accumulation": Spec(model="tied", opt="sgd", accum=2, credit=0),
     # a plan that holds the first-submitted group back until every other one went
     "plan_holds_first_group_timing": Spec(opt="adamw_foreach", sleeps=True, credit=0,
                                           hold_first=True),
-    "plan_holds_first_group_dispatch_thread_unused": Spec(model="branchy", opt="rmsprop",
-                                                          credit=0, hold_first=True,
-                                                          dispatch="thread"),
+    "plan_holds_first_group_unused": Spec(model="branchy", opt="rmsprop",
+                                                          credit=0, hold_first=True),
 }
 
 CASES_4 = {
     "unused_accumulation_adamw_step_lr": Spec(model="branchy", opt="adamw_foreach", accum=2,
                                               sched="step"),
-    "adversarial_timing_rmsprop_dispatch_thread": Spec(model="branchy", opt="rmsprop",
-                                                       sleeps=True, dispatch="thread"),
+    "adversarial_timing_rmsprop": Spec(model="branchy", opt="rmsprop",
+                                                       sleeps=True),
     "rs_ag_adamw_timing": Spec(model="branchy", opt="adamw_single", sleeps=True,
                                decompose="rs_ag"),
     "subgroups_rs_ag_adamw": Spec(model="bn", opt="adamw_foreach", subgroups=True,

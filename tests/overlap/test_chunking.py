@@ -46,7 +46,7 @@ def test_groups_are_cut_only_under_a_credit_window(world1, credit):
 
     net = _net()
     config = commsched.Config(partition_bytes=PARTITION, credit_bytes=credit)
-    scheduler = Scheduler(config, trace_dispatch=True, owns_groups=True)
+    scheduler = Scheduler(config, trace_dispatch=True)
     model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), config,
                       group_bytes=0, scheduler=scheduler)
     try:

@@ -12,8 +12,8 @@ import pytest
 
 from .scenarios import CASES_2
 
-WHOLE = ["group_window_timing", "group_window_dispatch_thread_tied_accumulation",
-         "plan_holds_first_group_timing", "plan_holds_first_group_dispatch_thread_unused"]
+WHOLE = ["group_window_timing", "group_window_tied_accumulation",
+         "plan_holds_first_group_timing", "plan_holds_first_group_unused"]
 WARMUP = 2      # Config.profile_iters
 
 
@@ -40,7 +40,7 @@ def test_whole_groups_are_dispatched_by_one_plan_for_the_next_forward_on_every_r
 
 
 @pytest.mark.parametrize("name", ["plan_holds_first_group_timing",
-                                  "plan_holds_first_group_dispatch_thread_unused"])
+                                  "plan_holds_first_group_unused"])
 def test_a_group_held_back_until_every_other_went_keeps_results_equal_to_ddp(
         two_ranks, name):
     # The plan sends the group submitted first (the last layers') after all the others:

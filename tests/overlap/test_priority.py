@@ -50,7 +50,7 @@ class RecordingScheduler(Scheduler):
     gradients (reductions) or parameters (all-gathers) lie in the submitted tensor."""
 
     def __init__(self, config, layers):
-        super().__init__(config, owns_groups=True)
+        super().__init__(config)
         self.layers = layers
         self.log = []
         self.owner = {}         # a reduced buffer's span -> its layer (learnt when it had grads)

@@ -79,7 +79,7 @@ def test_rs_ag_collectives_go_whole_in_the_single_tensor_form(world1, monkeypatc
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     config = commsched.Config(decompose="rs_ag", partition_bytes=256, credit_bytes=1024)
     model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), config,
-                      group_bytes=0, scheduler=Recording(config, owns_groups=True))
+                      group_bytes=0, scheduler=Recording(config))
     try:
         for step in range(3):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))

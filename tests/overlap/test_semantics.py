@@ -30,17 +30,17 @@ def test_zero_grad_keeping_zeroed_gradients_matches_ddp(two_ranks):
                   ("loss", "seen", "final", "opt_state"))
 
 
-@pytest.mark.parametrize("name", ["adversarial_timing", "dispatch_thread_timing"])
+@pytest.mark.parametrize("name", ["adversarial_timing", "branchy_adamw_timing"])
 def test_adversarial_timing_neither_hangs_nor_changes_results(two_ranks, name):
-    # random per-rank sleeps in forward pre-hooks, gradient hooks and before step(); the
-    # second with a dispatch thread issuing the collectives (Config.dispatch)
+    # random per-rank sleeps in forward pre-hooks, gradient hooks and before step(), on
+    # two models and optimizers
     r = two_ranks[name]
     _equal_to_ddp(r)
     assert r["in_flight"] > 0
 
 
 @pytest.mark.parametrize("name", ["user_collective_timing",
-                                  "rs_ag_user_collective_dispatch_thread"])
+                                  "rs_ag_user_collective_timing"])
 def test_the_applications_own_collectives_on_the_group_keep_ranks_in_step(two_ranks, name):
     # an all-reduce of the loss on the training group after every step, while the step's
     # last chunks may still wait for credit (scenarios run a bounded window)
@@ -99,11 +99,11 @@ def test_grad_scaler_skips_the_same_steps_as_ddp(two_ranks):
 
 
 @pytest.mark.parametrize("name", ["group_window_timing",
-                                  "group_window_dispatch_thread_tied_accumulation"])
+                                  "group_window_tied_accumulation"])
 def test_windows_of_whole_layer_groups_keep_results_equal_to_ddp(two_ranks, name):
     # credit_bytes unset: one (groups_in_flight=1) or two (the default) whole layer groups
     # in flight, the others queued and dispatched by priority; with random sleeps, or with
-    # a dispatch thread, shared parameters and no_sync accumulation
+    # shared parameters and no_sync accumulation
     r = two_ranks[name]
     _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
     assert r["in_flight"] > 0

@@ -47,7 +47,7 @@ def _log_submissions(rank, world_size, out_dir, decompose):
                         nn.Linear(16, 4))
     config = commsched.Config(decompose=decompose)
     model, opt = wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), config,
-                      group_bytes=0, scheduler=Recording(config, owns_groups=True))
+                      group_bytes=0, scheduler=Recording(config))
     # Name the module whose pre-hooks run next (registered last with prepend: first).
     for k, layer in enumerate(net[::2]):
         layer.register_forward_pre_hook(lambda *_, k=k: phase.__setitem__(0, f"forward:{k}"),

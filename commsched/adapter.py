@@ -1,0 +1,58 @@
+"""How an adapter (the DDP hook, the Megatron patches, the data-parallel mode) gets its
+scheduler: its policy default, the telemetry recorder where ``Config.telemetry_dir`` asks
+for one, and the extensions other settings ask for (the tuner, NVTX ranges). The scheduler
+itself loads none of these ([Note: instruments outside the core] in docs/design.md).
+
+Example::
+    scheduler, recorder = build_scheduler(config, device, policy="priority")
+    ...
+    close(scheduler, recorder)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from .config import Config
+from .scheduler import Scheduler
+
+__all__ = ["build_scheduler", "close"]
+
+
+def build_scheduler(config: Config, device=None, *, policy: str = "priority", observer=None,
+                    trace_dispatch: bool = False, feeds_forward: bool = False
+                    ) -> Tuple[Scheduler, Optional[object]]:
+    """A scheduler for ``config`` (``policy`` where it leaves the policy unset), with the
+    instruments it asks for; returns it and the telemetry recorder opened for it (None
+    where ``observer`` was given or telemetry is off). ``device``: this rank's device, for
+    the recorder's NVLink counters."""
+    config = config.with_policy(policy)
+    recorder = None
+    if observer is None and config.telemetry_dir:
+        from .telemetry import open_rank_recorder
+
+        observer = recorder = open_rank_recorder(config, device)
+    extensions = []
+    if config.autotune:
+        from .autotune import Tuner
+
+        extensions.append(Tuner)
+    if config.nvtx:
+        from .telemetry.nvtx_ranges import NvtxRanges
+
+        extensions.append(NvtxRanges)
+    scheduler = Scheduler(config, observer, trace_dispatch, extensions=extensions,
+                          feeds_forward=feeds_forward)
+    return scheduler, recorder
+
+
+def close(scheduler: Scheduler, recorder=None, timeout: Optional[float] = 60.0) -> None:
+    """Wait for ``scheduler``'s outstanding chunks (up to ``timeout`` s), stop it (its
+    completion threads hand the last chunk records to the recorder on the way out), then
+    close ``recorder`` (if any)."""
+    try:
+        scheduler.drain(timeout)
+    finally:
+        scheduler.close()
+        if recorder is not None:
+            recorder.close()

@@ -1,0 +1,245 @@
+"""A lane's dispatch order: its iterations, the requests submitted to them, the cursor that
+says which chunk goes next, and the plan in force ([Note: every rank in step] in
+docs/design.md).
+
+Per iteration the order is: the plan's chunks whose request was submitted with the planned
+chunk count, in plan order, then every other request's chunks in submission order. Without
+a plan (policy fifo, or while profiling) it is submission order. Timing only decides when
+the next chunk in that order goes (it waits for its request, for credit and, on backends
+without stream ordering, for its previous step), never which one goes next.
+
+Everything here is guarded by the lane's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Dict, Hashable, List, Optional, Sequence
+
+from .errors import SchedulerError
+from .observer import DeviceMark, IterationRecord
+from .plan import LinkCost, Plan, RequestProfile, lane_plan
+
+__all__ = ["Iteration", "DispatchOrder", "DONE"]
+
+DONE = object()           # Iteration.peek(): everything of the ended iteration was taken
+
+
+class Iteration:
+    """One lane iteration: the requests submitted between two end_iteration() calls, and
+    the dispatch cursor over them (``peek`` finds the next chunk; the order moves it)."""
+
+    __slots__ = ("index", "requests", "by_key", "chunks", "nbytes", "flushed", "plan",
+                 "profile", "resolved", "planned", "plan_pos", "req_pos", "chunk_pos",
+                 "t_first_ns", "crc", "sequence")
+
+    def __init__(self, index: int, profile: Optional[List[RequestProfile]], planned: bool):
+        self.index = index
+        self.requests: list = []
+        self.by_key: Dict[Hashable, object] = {}
+        self.chunks = 0               # of the requests so far, and their tensors' bytes
+        self.nbytes = 0
+        self.flushed = False
+        # The plan is resolved when the iteration reaches the head of the dispatch order:
+        # only then is it certain, on every rank alike, which plan is in force.
+        self.plan: Optional[Plan] = None
+        self.profile = profile        # set: build a new plan from it first
+        self.resolved = False
+        self.planned = planned
+        self.plan_pos = 0
+        self.req_pos = 0
+        self.chunk_pos = 0
+        self.t_first_ns = 0
+        self.crc = 0                  # COMMSCHED_VERIFY: digest of the dispatch sequence
+        self.sequence: List[tuple] = []
+
+    def peek(self):
+        """The chunk the order issues next (the cursor does not move past it), None while
+        it waits for a request not submitted yet, ``DONE`` once everything of the ended
+        iteration was taken."""
+        plan = self.plan
+        if plan is not None:
+            order = plan.order
+            while self.plan_pos < len(order):
+                key, index = order[self.plan_pos]
+                req = self.by_key.get(key)
+                if req is not None and plan.layout.get(key) == len(req.chunks):
+                    return req.chunks[index]
+                if req is None and not self.flushed:
+                    return None               # head of line: wait for this request
+                self.plan_pos += 1            # not in this iteration, or not as planned
+        requests = self.requests
+        while self.req_pos < len(requests):
+            req = requests[self.req_pos]
+            if self.chunk_pos < len(req.chunks) and not (
+                    plan is not None and plan.layout.get(req.key) == len(req.chunks)):
+                return req.chunks[self.chunk_pos]
+            self.req_pos += 1
+            self.chunk_pos = 0
+        return DONE if self.flushed else None
+
+    def advance(self) -> None:
+        """The chunk ``peek`` returned was taken."""
+        if self.plan is not None and self.plan_pos < len(self.plan.order):
+            self.plan_pos += 1
+        else:
+            self.chunk_pos += 1
+
+    def add(self, req, nbytes: int) -> None:
+        """``req``, of ``nbytes`` tensor bytes, joins the iteration."""
+        req.iteration = self.index
+        self.requests.append(req)
+        self.by_key[req.key] = req
+        self.chunks += len(req.chunks)
+        self.nbytes += nbytes
+
+
+class DispatchOrder:
+    """Owns a lane's iterations (the open one and those not fully dispatched, oldest
+    first), the plan in force at the head, and what decides the next plan: the layout of
+    recent iterations and the readiness profile kept for it. ``credit_for(index)`` gives
+    the credit window of lane iteration ``index`` (the tuner may change it), which a plan
+    is built for."""
+
+    __slots__ = ("policy", "profile_iters", "feeds_forward", "credit_for", "iterations",
+                 "current", "count", "dispatched", "plan", "planned_layout", "next_profile",
+                 "last_layout", "stable_iters", "link_cost", "verify_queue")
+
+    def __init__(self, policy: str, profile_iters: int, feeds_forward: bool,
+                 credit_for: Callable[[int], int]):
+        self.policy = policy
+        self.profile_iters = profile_iters
+        self.feeds_forward = feeds_forward
+        self.credit_for = credit_for
+        self.iterations: "collections.deque[Iteration]" = collections.deque()
+        self.current: Optional[Iteration] = None
+        self.count = 0                        # iterations begun
+        self.dispatched = 0                   # iterations whose every step was issued
+        self.plan: Optional[Plan] = None      # in force at the head of the order
+        self.planned_layout = None            # what the newest decided plan is for
+        self.next_profile: Optional[List[RequestProfile]] = None
+        self.last_layout = None
+        self.stable_iters = 0
+        self.link_cost = LinkCost()           # the plan's cost per byte
+        self.verify_queue: List[tuple] = []   # (iteration, crc, sequence) to check
+
+    # ---- intake ---------------------------------------------------------------------------
+    def open_index(self) -> int:
+        """The index of the iteration the next request joins."""
+        return self.current.index if self.current is not None else self.count
+
+    def begin(self, t_first_ns: int) -> Iteration:
+        it = Iteration(self.count, self.next_profile, self.planned_layout is not None)
+        self.next_profile = None
+        it.t_first_ns = t_first_ns
+        self.count += 1
+        self.iterations.append(it)
+        self.current = it
+        return it
+
+    def take_in(self, req, nbytes: int, lane_name: str) -> None:
+        """Add ``req`` to the open iteration."""
+        it = self.current
+        if it is None:
+            it = self.begin(req.t_submit_ns)
+        if req.key in it.by_key:
+            raise SchedulerError(
+                f"request key {req.key!r} submitted twice in iteration {it.index} of "
+                f"lane {lane_name}; call end_iteration() between iterations")
+        it.add(req, nbytes)
+
+    def take_at_once(self, req, credit) -> bool:
+        """The hot path: whether ``req``, one chunk of one step, is what the order issues
+        next, with ``credit`` to spare and nothing else pending in the lane; if so it joins
+        its iteration and the cursor moves past it, as ``take_in`` and a pump would,
+        without their search. False (nothing done) where any of that does not hold."""
+        it = self.current
+        if it is None:
+            if self.iterations or self.next_profile is not None:
+                return False                  # earlier iterations pending, or a new plan
+            # The first request of an iteration with nothing before it: the iteration is
+            # at the head of the order at once, with the plan in force (as a pump would
+            # resolve it: no extension, no verification on the hot path).
+            it = self.begin(req.t_submit_ns)
+            it.plan, it.resolved = self.plan, True
+        elif self.iterations[0] is not it or not it.resolved or req.key in it.by_key:
+            return False
+        chunk = req.chunks[0]
+        if not credit.admits(chunk.nbytes):
+            return False
+        plan = it.plan
+        if plan is None:
+            if it.req_pos != len(it.requests):
+                return False                  # an earlier request is not fully issued
+        else:
+            pos = it.plan_pos
+            if (pos >= len(plan.order) or plan.order[pos] != (req.key, 0)
+                    or plan.layout.get(req.key) != 1):
+                return False
+        it.add(req, chunk.nbytes)
+        if plan is None:
+            it.req_pos += 1                   # (what peek() would find: req fully issued)
+        else:
+            it.plan_pos += 1
+        return True
+
+    def holds_for(self, it: Iteration) -> bool:
+        """Whether the plan of ``it`` holds requests back for the one just taken at once,
+        which the next planned entry names (a pump then issues them)."""
+        plan = it.plan
+        return (plan is not None and it.plan_pos < len(plan.order)
+                and plan.order[it.plan_pos][0] in it.by_key)
+
+    def close(self, t_end_ns: int, mark: Optional[DeviceMark],
+              lane_name: str) -> Optional[IterationRecord]:
+        """No more requests in the open iteration; its record (None: nothing was open)."""
+        it = self.current
+        if it is None:
+            return None
+        self.current = None
+        it.flushed = True
+        self._note_layout(it)
+        return IterationRecord(lane_name, it.index, it.t_first_ns, t_end_ns,
+                               len(it.requests), it.chunks, it.nbytes, it.planned, mark)
+
+    def _note_layout(self, it: Iteration) -> None:
+        """Decide, from the submitted layout only (rank-invariant), whether the next
+        iteration builds a new plan; keep this iteration's readiness as its profile."""
+        if self.policy != "priority":
+            return
+        layout = tuple((r.key, r.tensor.numel(), len(r.chunks)) for r in it.requests)
+        self.stable_iters = self.stable_iters + 1 if layout == self.last_layout else 1
+        self.last_layout = layout
+        # A plan is built for a credit window too: a window switched for the next
+        # iteration (the tuner, known by now) needs a new plan.
+        current = ({key: nchunks for key, _, nchunks in layout},
+                   self.credit_for(it.index + 1))
+        if self.planned_layout != current and self.stable_iters >= self.profile_iters:
+            self.planned_layout = current
+            t0 = it.t_first_ns
+            self.next_profile = [
+                RequestProfile(r.key, r.priority, (r.t_submit_ns - t0) * 1e-9,
+                               tuple(c.nbytes for c in r.chunks))
+                for r in it.requests]
+
+    # ---- the head of the order (any thread) -------------------------------------------
+    def head(self) -> Optional[Iteration]:
+        return self.iterations[0] if self.iterations else None
+
+    def pop_head(self, it: Iteration, verify: bool) -> None:
+        """Every step of ``it``, the head, was issued."""
+        self.iterations.popleft()
+        self.dispatched = it.index + 1
+        if verify:
+            self.verify_queue.append((it.index, it.crc, it.sequence))
+
+    def build_plan(self, profile: Sequence[RequestProfile], credit_bytes: int,
+                   exchange: Callable[[List[float]], List[float]]) -> Plan:
+        """The plan of ``profile``, its readiness and the link's cost per byte reduced with
+        MAX over the group first (``exchange``), so that every rank builds the same one.
+        Called at the head of the order, after every step of the previous iterations was
+        issued: the exchange sits at the same place in every rank's collective sequence."""
+        values = exchange([p.ready_s for p in profile] + [self.link_cost.seconds_per_byte])
+        profile = [p._replace(ready_s=v) for p, v in zip(profile, values)]
+        self.plan = lane_plan(profile, credit_bytes, values[-1], self.feeds_forward)
+        return self.plan
