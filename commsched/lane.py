@@ -20,20 +20,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import issue
+from .collectives import finish_chunk
 from .completion import Completion, InFlight, Watchdog
 from .errors import SchedulerError
-from .issue import Issuer
-from .observer import (ChunkRecord, DeviceMark, Extension, Extensions, IterationRecord,
+from .issue import Issuer, RequestBook
+from .observer import (ChunkRecord, Extension, Extensions, IterationRecord,
                        LaneInfo, as_extension)
 from .order import DONE, DispatchOrder, Iteration
 from .partition import Chunk
-from .safety import step_crc, verify_sequences
+from .safety import all_reduce_max, step_crc, verify_sequences
 
 __all__ = ["Lane", "CreditWindow", "release"]
 
@@ -88,23 +88,20 @@ class Lane:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.failure: Optional[BaseException] = None
-        self.outstanding: Dict[int, object] = {}  # submitted, outcome not yet set
-        self.dispatched: list = []                # CUDA: fully issued, future not yet set
+        self.book = RequestBook()                 # requests whose outcome is not set yet
         self.cur_chunk: Optional[Chunk] = None    # being issued, step by step
         self.cur_step = 0
-        self.chunks_dispatched = self.requests_issued = self.bytes_dispatched = 0
+        self.chunks_dispatched = self.bytes_dispatched = 0
         info = LaneInfo(name, self.rank, self.world_size, config, observer, self.exchange,
                         lambda: self.order.count)
-        self.parts: List[Extension] = (([as_extension(observer)] if observer is not None
-                                        else []) + [make(info) for make in extensions])
-        parts = self.parts
-        self.ext: Optional[Extension] = (None if not parts else parts[0] if len(parts) == 1
-                                         else Extensions(parts))
+        parts = self.parts = (([as_extension(observer)] if observer is not None else [])
+                              + [make(info) for make in extensions])
+        self.ext: Optional[Extension] = (parts[0] if len(parts) == 1
+                                         else Extensions(parts) if parts else None)
         self.last_iteration: Optional[IterationRecord] = None
         self.credit = CreditWindow(config.credit_bytes)
         self.order = DispatchOrder(config.policy, config.profile_iters,
                                    feeds_forward and config.plan_forward, self._credit_for)
-        self.issuer = Issuer(group, device, self.world_size)
         # No per-step work beyond issuing it: the hot path applies (DispatchOrder.take_at_once).
         self.lean = not (trace_dispatch or config.verify or self.ext is not None)
         # Requests go whole, as one all-reduce each, unless a request asks otherwise.
@@ -112,17 +109,15 @@ class Lane:
         # Steps get timing events where an extension records them.
         self.timed = self.ext is not None and self.ext.timed
         # CUDA, untimed, unbounded credit: steps issued at once go into completion batches
-        # with no per-step work at all (add, _issued_direct).
+        # with no per-step work at all (Issuer.issue_batched).
         self.batched = self.cuda and self.lean and not config.credit_bytes
         self.completion = Completion(
             name, self.lock, device, credit=self.credit, settle=self.settle,
             polled=(self.cuda and not config.credit_bytes
                     and not (self.ext is not None and self.ext.tunes)),
             ordered=self.cuda)
-        # Telemetry where the caller completes: the group times its own collectives, and a
-        # step needs no event after it (Issuer.issue_cuda, Completion.device_times).
-        self.issuer.group_timed = (self.cuda and self.completion.polled and self.timed
-                                   and _enable_collective_timing(group))
+        self.issuer = Issuer(group, device, self.world_size, self.completion, self.credit,
+                             self.book, self.ext, self.timed)
         self.watchdog = Watchdog(self.completion, timeout_s, self._stalled,
                                  refresh_clock=self.timed)
 
@@ -148,17 +143,17 @@ class Lane:
                 chunk = req.chunks[0]
                 self._admit(chunk)
                 if self.batched:
-                    self._issue_batched(req, chunk)
+                    self.issuer.issue_batched(req, chunk)
                 else:
-                    self.outstanding[id(req)] = req
-                    self._issue(chunk, 0)
+                    self.book.track(req)
+                    self.issuer.issue(chunk, 0)
                 if self.order.holds_for(self.order.current):
                     self._pump()                  # requests the plan held for this one
-                dispatched = self._take_dispatched() if self.dispatched else None
+                dispatched = self.book.take_dispatched() if self.book.dispatched else None
             else:
                 self.order.take_in(req, req.tensor.numel() * req.tensor.element_size(),
                                    self.name)
-                self.outstanding[id(req)] = req
+                self.book.track(req)
                 self._pump()
                 if req.chunks[-1].t_dispatch_ns == 0:
                     # Held back (order or credit): whoever issues it later, from whatever
@@ -171,52 +166,25 @@ class Lane:
         if dispatched is False:
             self._settle_requests(settled)
         elif dispatched:
-            self._resolve(dispatched)
-
-    def _issue_batched(self, req, chunk: Chunk) -> None:
-        """Issue ``req`` (one step of one chunk, resolved at once) into the open completion
-        batch: nobody needs its steps one by one. The collective from this frame rather
-        than a helper's: NCCL's flight recorder captures the Python stack of every
-        collective it records."""
-        chunk.t_dispatch_ns = time.time_ns()
-        req.chunks_issued = 1
-        req.issue_seq = self.requests_issued
-        self.requests_issued += 1
-        if req.op != "all_reduce":
-            work = issue.issue_step(chunk, 0)
-        elif req.synchronous:
-            work = req.group.allreduce(
-                [req.tensor], self.issuer.synchronous_options(req, self.completion))
-        else:
-            work = req.group.allreduce([req.tensor], req.reduce_options)
-        req.outcome = True
-        if work is None:
-            # Synchronous on NCCL: the collective is in the caller's stream, which orders
-            # whatever the caller does next after it; the lane has nothing to complete.
-            self.credit.give(chunk.nbytes)
-            chunk.request = None
-            return
-        completion = self.completion
-        req.done_work = completion.newest[None] = work
-        completion.batch(chunk, 0, True, work)
-        completion.bound()
+            _settle_futures(dispatched)
 
     def _collect(self):
         """After a pump, lock held: requests to resolve, and to fail if the lane failed."""
         failed = self._take_failed_requests() if self.failure is not None else None
-        return failed, self._take_dispatched()
+        return failed, self.book.take_dispatched()
 
     def _settle_requests(self, settled) -> None:
         """Lock released: resolve what was fully issued; on failure fail the rest, raise."""
         failed, dispatched = settled
-        self._resolve(dispatched)
+        _settle_futures(dispatched)
         if failed is not None:
             _settle_futures(failed)
             raise self.failure
 
     def end_iteration(self, wait_dispatched: bool) -> Optional[IterationRecord]:
         with self.lock:
-            mark = self._flush_mark() if self.order.current is not None else None
+            mark = (self.issuer.flush_mark() if self.order.current is not None
+                    else None)
             record = self.order.close(time.time_ns(), mark, self.name)
             if record is None:
                 return None
@@ -233,15 +201,6 @@ class Lane:
         if self.ext is not None:
             self.ext.on_iteration(record)
         return record
-
-    def _flush_mark(self) -> Optional[DeviceMark]:
-        """The end of the iteration in the caller's stream, for telemetry: the device may
-        get there long after the host (one timed event per iteration)."""
-        if not (self.cuda and self.timed):
-            return None
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return DeviceMark(self.device, event)
 
     # ---- dispatch (any thread, lock held) ------------------------------------------------
     def _pump(self) -> None:
@@ -318,69 +277,14 @@ class Lane:
 
     def _issue(self, chunk: Chunk, step: int) -> None:
         req = chunk.request
-        name = req.steps[step]
         if self.trace_dispatch:
             self.dispatch_log.append((req.iteration, req.key, chunk.index, step))
-        if self.config.verify and not name.endswith(":leaders"):
+        if self.config.verify and not req.steps[step].endswith(":leaders"):
             # (the step among node leaders is the one step other ranks do not take)
             it = self.order.head()
             it.crc = step_crc(it.crc, req.key, chunk.index, step)
-            it.sequence.append((req.iteration, repr(req.key), chunk.index, name))
-        if step == 0:
-            chunk.t_dispatch_ns = time.time_ns()
-        ext = self.ext
-        if ext is not None:
-            ext.issuing(f"commsched {name} {req.key}#{chunk.index}")
-        last = step == len(req.steps) - 1
-        if last:
-            req.chunks_issued += 1
-            if req.chunks_issued == len(req.chunks):
-                req.issue_seq = self.requests_issued
-                self.requests_issued += 1
-        completion = self.completion
-        if self.cuda:
-            timed = self.timed or (ext is not None and ext.wants_records())
-            start, end, work = self.issuer.issue_cuda(chunk, step, last, timed,
-                                                      bool(self.credit.limit), completion)
-            if last and req.chunks_issued == len(req.chunks):
-                req.done_work = work
-                self.dispatched.append(req)
-                self.issuer.release_ready(req)
-            # The newest step per process group (a topology step names its sub-group):
-            # NCCL runs each group's collectives in issue order, so waiting for it waits
-            # for every step issued before it on that group.
-            completion.newest[name if req.cross_group else None] = work
-            if end is None and start is None and not req.cross_group:
-                completion.batch(chunk, step, last, work)
-            else:
-                completion.add(chunk, step, work, start, end,
-                               end is not None and end is req.done_event)
-        else:
-            work = chunk.works = issue.issue_step(chunk, step)
-            completion.add(chunk, step, work, None, None, False)
-        if ext is not None:
-            ext.issued()
-        if self._urgent(chunk, last):
-            completion.ring()
-        else:
-            completion.bound()
-
-    def _urgent(self, chunk: Chunk, last: bool) -> bool:
-        """Whether somebody waits for this step's completion ([Note: completion hand-off]
-        in docs/design.md)."""
-        if self.credit.limit:
-            return True                   # the credit it returns may be what dispatch waits for
-        if chunk.staging is not None:
-            return True                   # a padded copy: free it as soon as it is done
-        if self.cuda:
-            return False                  # futures resolve at dispatch, steps are stream-ordered
-        req = chunk.request
-        # CPU: the chunk's next step, the recorded device times (no events to recover them
-        # from later), and a future somebody waits for need the completion when it
-        # happens. Other futures resolve with the iteration's batch (woken at its end):
-        # a wake-up per request would cost a GIL hand-off each.
-        return (not last or req.waited
-                or (self.ext is not None and (self.timed or self.ext.wants_records())))
+            it.sequence.append((req.iteration, repr(req.key), chunk.index, req.steps[step]))
+        self.issuer.issue(chunk, step)
 
     # ---- settling what completed (completion thread, or a polled lane's caller) ---------
     def settle(self, waited: Optional[InFlight]) -> None:
@@ -412,10 +316,10 @@ class Lane:
             self.idle.notify_all()            # (join() waits for completions)
             if self.failure is not None:
                 failed = self._take_failed_requests()
-            dispatched = self._take_dispatched()
-        self._resolve(dispatched)
+            dispatched = self.book.take_dispatched()
+        _settle_futures(dispatched)
         if records:
-            self.ext.on_chunks([self._record(*record) for record in records])
+            self.ext.on_chunks([chunk_record(self, *record) for record in records])
         release(released)
         completion.recycle(batch)
         _settle_futures(finished)
@@ -445,7 +349,7 @@ class Lane:
                                  t_end, chunk.nbytes if last else 0)
         if last:
             if not self.cuda:
-                issue.finish_chunk(chunk)
+                finish_chunk(chunk)
             chunk.staging = None          # kept alive until the device finished with it
             # A work can own buffers until it is destroyed (NCCL's flat output of a
             # list-form all-gather), and a request and its chunks reference each other:
@@ -455,9 +359,8 @@ class Lane:
             self.credit.give(chunk.nbytes)
             req.remaining -= 1
             if req.remaining == 0 and not self.cuda:
+                self.book.finished(req)
                 finished.append(req)
-                self.outstanding.pop(id(req), None)
-                req.outcome = True
         return True
 
     def _settle_batch(self, item: InFlight) -> None:
@@ -470,18 +373,6 @@ class Lane:
                 f"commsched: one of {item.describe()} on lane {self.name} (ranks "
                 f"{list(self.ranks)}) failed: {item.error}"))
         self.credit.give(item.nbytes)
-
-    def _record(self, chunk: Chunk, step: int, error, t_start: int, t_end: int) -> ChunkRecord:
-        req = chunk.request
-        name = req.steps[step]
-        # A step on a topology sub-group ("op:role") ran among that sub-group's ranks.
-        ranks = self.ranks if ":" not in name else self.topology.members[name.split(":")[1]]
-        return ChunkRecord(
-            self.name, req.iteration, str(req.key), req.op, name, req.decompose,
-            chunk.index, len(req.chunks), chunk.nbytes,
-            str(req.tensor.dtype).replace("torch.", ""), ranks, req.priority,
-            req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
-            "" if error is None else repr(error))
 
     def _stalled(self, item: InFlight) -> None:
         """The watchdog: ``item`` did not complete within the timeout."""
@@ -496,7 +387,7 @@ class Lane:
             failed = self._take_failed_requests()
         chunk = item.chunk
         if self.ext is not None and chunk is not None:
-            self.ext.on_chunks([self._record(chunk, item.step, self.failure,
+            self.ext.on_chunks([chunk_record(self, chunk, item.step, self.failure,
                                              chunk.t_dispatch_ns, time.time_ns())])
         _settle_futures(failed)
 
@@ -508,56 +399,26 @@ class Lane:
             self.failure = self.completion.failure = error
         self.idle.notify_all()
 
-    def _take_dispatched(self) -> list:
-        """CUDA requests whose every chunk was issued (lock held); see ``_resolve``."""
-        if not self.dispatched:
-            return self.dispatched
-        dispatched, self.dispatched = self.dispatched, []
-        for req in dispatched:
-            self.outstanding.pop(id(req), None)
-            req.outcome = True
-        return dispatched
-
-    @staticmethod
-    def _resolve(requests: list) -> None:
-        """Resolve fully issued CUDA requests (outside the lock: a future's callbacks may
-        submit). The futures carry no stream: ``Request.wait()`` and ``join()`` order the
-        caller's stream after the collectives."""
-        _settle_futures(requests)
-
     def _take_failed_requests(self) -> list:
         """Fail every request not resolved yet (lock held); their futures are failed
         outside the lock."""
         error = self.failure
-        if not isinstance(error, SchedulerError):
-            error = SchedulerError(str(error))
-        failed = [r for r in self.outstanding.values() if r.outcome is None]
-        for req in failed:
-            req.outcome = error
-        self.outstanding.clear()
-        return failed
+        return self.book.fail_pending(
+            error if isinstance(error, SchedulerError) else SchedulerError(str(error)))
 
     # ---- the caller's other calls ---------------------------------------------------------
     def exchange(self, values, what: str) -> List[int]:
         """One all_reduce(MAX) of int64 ``values`` over the group, in its collective
         sequence (the tuner's; lock held, at the head of the order)."""
-        out = self._all_reduce_max(torch.tensor(values, dtype=torch.int64))
+        out = all_reduce_max(values, torch.int64, self.group, self.device,
+                             self.issuer.launch_stream)
         if self.trace_dispatch:
             self.dispatch_log.append(("autotune", what))
         return out
 
     def _exchange_floats(self, values: List[float]) -> List[float]:
-        return self._all_reduce_max(torch.tensor(values, dtype=torch.float64))
-
-    def _all_reduce_max(self, tensor: torch.Tensor) -> list:
-        if self.cuda:
-            with torch.cuda.stream(self.issuer.launch_stream):
-                tensor = tensor.to(self.device)
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-                tensor = tensor.cpu()
-        else:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        return tensor.tolist()
+        return all_reduce_max(values, torch.float64, self.group, self.device,
+                              self.issuer.launch_stream)
 
     def awaited(self, req) -> None:
         """Somebody blocks on ``req``'s future (CPU): complete it as soon as it is issued."""
@@ -605,18 +466,19 @@ class Lane:
         self.watchdog.join()
 
 
-def _enable_collective_timing(group) -> bool:
-    """Have ``group`` time its own collectives (NCCL: a start event beside the end event of
-    every collective, read by ``Work._get_duration()``), for every caller of the group;
-    False where the process group cannot."""
-    enable = getattr(group, "_enable_collectives_timing", None)
-    if enable is None or not hasattr(dist.Work, "_get_duration"):
-        return False
-    try:
-        enable()
-    except RuntimeError:
-        return False
-    return True
+def chunk_record(lane: Lane, chunk: Chunk, step: int, error, t_start: int,
+                 t_end: int) -> ChunkRecord:
+    """What an extension is told of one completed step of ``lane``."""
+    req = chunk.request
+    name = req.steps[step]
+    # A step on a topology sub-group ("op:role") ran among that sub-group's ranks.
+    ranks = lane.ranks if ":" not in name else lane.topology.members[name.split(":")[1]]
+    return ChunkRecord(
+        lane.name, req.iteration, str(req.key), req.op, name, req.decompose,
+        chunk.index, len(req.chunks), chunk.nbytes,
+        str(req.tensor.dtype).replace("torch.", ""), ranks, req.priority,
+        req.t_submit_ns, chunk.t_dispatch_ns, t_start, t_end, error is None,
+        "" if error is None else repr(error))
 
 
 def release(chunks: List[Chunk]) -> None:
@@ -630,7 +492,9 @@ def release(chunks: List[Chunk]) -> None:
 
 
 def _settle_futures(requests: list) -> None:
-    """Resolve each request's future, where one was made, as its outcome says."""
+    """Resolve each request's future, where one was made, as its outcome says (outside the
+    lock: a future's callbacks may submit). On CUDA the futures carry no stream:
+    ``Request.wait()`` and ``join()`` order the caller's stream after the collectives."""
     for req in requests:
         if req._future is not None:
             req.settle_future()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .errors import CommschedError, SchedulerError
 
 __all__ = ["AgreementError", "check_agreement", "step_crc", "first_divergence",
-           "verify_sequences"]
+           "verify_sequences", "all_reduce_max"]
 
 
 class AgreementError(CommschedError, RuntimeError):
@@ -97,3 +97,17 @@ def verify_sequences(checked: Sequence[tuple], group, device, world_size: int,
         f"commsched: dispatch sequences of lane {lane_name} differ across ranks "
         f"(iterations {checked[0][0]}..{checked[-1][0]}): "
         f"{first_divergence(sequences, ranks)}")
+
+
+def all_reduce_max(values: Sequence, dtype, group, device, stream) -> list:
+    """``values`` reduced with MAX over ``group`` (a collective: call it at the same place
+    of every rank's sequence), as a list; on CUDA issued from ``stream``."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        with torch.cuda.stream(stream):
+            tensor = tensor.to(device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            tensor = tensor.cpu()
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()

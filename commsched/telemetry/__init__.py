@@ -20,6 +20,7 @@ Example::
 
     rec = commsched.telemetry.open_recorder(config, rank=rank, world_size=world_size)
     scheduler = commsched.Scheduler(config, observer=rec)
+    # (or both at once: commsched.adapter.build_scheduler(config, device))
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .nvtx_ranges import nvtx_range_pop, nvtx_range_push
 
 # The recorder and the store (sqlite3, NVML, numpy) load on first use: the scheduler and
 # the DDP hook import this package for its light modules alone.
-_RECORDER = ("Recorder", "close_with_scheduler", "open_rank_recorder", "open_recorder", "step")
+_RECORDER = ("Recorder", "open_rank_recorder", "open_recorder", "step")
 _STORE = ("RunData", "load_run")
 
 
@@ -45,7 +46,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "Recorder", "open_recorder", "open_rank_recorder", "close_with_scheduler", "step",
+    "Recorder", "open_recorder", "open_rank_recorder", "step",
     "load_run", "RunData", "TelemetryError", "TelemetryWarning", "nvtx_range_push",
     "nvtx_range_pop", "report_main", "trace_main",
 ]

@@ -33,7 +33,7 @@ from .sampler import NvlinkSampler, NvmlStatus
 from .store import create_store, json_dumps, rank_path
 from .writer import StepMarker, StoreWriter, TuningDecision
 
-__all__ = ["Recorder", "open_recorder", "step", "active_recorders", "close_with_scheduler"]
+__all__ = ["Recorder", "open_recorder", "step", "active_recorders"]
 
 _active: List["Recorder"] = []
 _active_lock = threading.Lock()
@@ -204,15 +204,6 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def close_with_scheduler(scheduler, recorder: Optional["Recorder"],
-                         timeout: Optional[float] = 60.0) -> None:
-    """Wait for ``scheduler``'s outstanding chunks, stop it (its completion threads hand the
-    last chunk records to the recorder on the way out), then close ``recorder`` (if any)."""
-    from ..adapter import close
-
-    close(scheduler, recorder, timeout)
 
 
 # Knobs that belong in Config; until they are there these defaults apply. An explicit
