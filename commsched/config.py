@@ -106,13 +106,12 @@ class Config:
 
     partition_bytes: int = field(default=0, metadata=_env("COMMSCHED_PARTITION_BYTES"))
     """Chunk size requests are cut into (a remainder under 1/8 of it rides with the last
-    chunk); 0 or inf: whole requests. Cut only together with a credit window, on a link
-    slow enough for a later, more urgent chunk to overtake queued ones (README, "When
-    partitioning and a credit window pay").
+    chunk); 0 or inf: whole requests. A chunk of a more urgent request can then go before
+    the queued chunks of others.
 
-    Every chunk is one more collective to issue and a cut changes no order by itself. The
-    data-parallel mode cuts its layer groups' all-reduces only under a credit window set
-    in bytes (or autotune); rs_ag never cuts its reduce-scatters and all-gathers."""
+    Every chunk is one more collective to issue. The data-parallel mode cuts its layer
+    groups' all-reduces unless a window of whole groups applies (``groups_in_flight``);
+    rs_ag never cuts its reduce-scatters and all-gathers."""
 
     credit_bytes: int = field(default=0, metadata=_env("COMMSCHED_CREDIT_BYTES"))
     """Credit window: most bytes in flight per process group; 0 or inf: unbounded. A
@@ -140,19 +139,17 @@ class Config:
 
     The first layers' group is reduced last in backward and needed first by the next
     forward: no compute hides its all-reduce. A smaller one shortens that wait, for a few
-    more requests per iteration. Off by default: together with ``groups_in_flight=0`` it
-    paid where the all-reduces keep up with backward (bfloat16 all-reduces, NVLink), and
-    that pair lost to the defaults where they do not (float32 over the host path on a
-    communication-bound model; ``benchmarks/dp_regimes_2xH200_2026-11-28.md``)."""
+    more requests per iteration."""
 
-    groups_in_flight: int = field(default=2, metadata=_env(
+    groups_in_flight: int = field(default=0, metadata=_env(
         "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
     """Data-parallel mode, decompose none, with the credit window unbounded: at most this
-    many layer groups in flight, so that the first layers' group, reduced last in
-    backward, overtakes the queued ones; 0: unbounded.
+    many layer groups in flight, later ones held in the scheduler until one completes; 0:
+    no such window, the plan orders the groups on the link (the default).
 
-    Two rather than one: with one group in flight the link idles while the completion
-    thread returns its credit and the next group is issued."""
+    An override: the plan, built from the device's timings, already puts the first
+    layers' group ahead of the queued ones in the stream, without holding anything back
+    on the host."""
 
     sparse_embedding_rows: int = field(default=0, metadata=_env(
         "COMMSCHED_SPARSE_EMBEDDING_ROWS", maximum=1 << 40, data_parallel=True))
@@ -181,15 +178,13 @@ class Config:
     gradients (``COMMSCHED_SPARSE_EMBEDDING_ROWS``) are gathered in their own type."""
 
     policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY"))
-    """Dispatch order: priority (a plan built from a profiled iteration: what the next
-    forward needs first, where the link is measured to be busy; steps are timed only with
-    telemetry, the tuner or a credit window, otherwise the plan is the order of readiness)
-    or fifo (the order requests are submitted); unset: fifo for Megatron-LM's bucket
-    groups, priority elsewhere.
+    """Dispatch order: priority (a plan built from profiled iterations on the device's
+    clock: what the next forward needs first, once it is ready, on a link that runs one
+    collective at a time) or fifo (the order requests are submitted); unset: fifo for
+    Megatron-LM's bucket groups, priority elsewhere.
 
     Megatron-LM submits its bucket groups' collectives in the order its own overlap issues
-    them, and a plan there measured slower than that order in every regime
-    (``benchmarks/megatron_gpt_24x1024_mb16_regimes_2xH100_2026-11-28.md``)."""
+    them (``docs/design.md`` links the measurement behind its default)."""
 
     plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD",
                                                            data_parallel=True))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .collectives import (OptionsByOp, all_gather_options, all_reduce_options, finish_chunk,
                           issue_step, reduce_scatter_options)
 from .observer import DeviceMark
+from .readiness import Marks
 
 __all__ = ["Issuer", "RequestBook"]
 
@@ -141,6 +142,8 @@ class Issuer:
                 req.done_work = work
                 self.book.dispatched.append(req)
                 self.release_ready(req)
+                if req.marks is not None:
+                    self._mark_end_for_profile(req, work)
             # The newest step per process group (a topology step names its sub-group):
             # NCCL runs each group's collectives in issue order, so waiting for it waits
             # for every step issued before it on that group.
@@ -177,6 +180,8 @@ class Issuer:
         else:
             work = req.group.allreduce([req.tensor], req.reduce_options)
         req.outcome = True
+        if req.marks is not None:
+            self._mark_end_for_profile(req, work)
         if work is None:
             # Synchronous on NCCL: the collective is in the caller's stream, which orders
             # whatever the caller does next after it; the lane has nothing to complete.
@@ -213,6 +218,32 @@ class Issuer:
         event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return DeviceMark(self.device, event)
+
+    def mark_ready_for_profile(self, req) -> None:
+        """``req`` is profiled: mark where it is ready (readiness.Marks)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            req.marks = Marks(event)
+        else:
+            req.marks = Marks(req.t_submit_ns)
+
+    def _mark_end_for_profile(self, req, work) -> None:
+        """A profiled request was fully issued (CUDA): an event after ``work``, its last
+        collective (None: it ran on the caller's stream), on the done stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        if work is None:
+            event.record()
+        else:
+            done_stream = self.completion.done_stream
+            caller = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(done_stream)
+            try:
+                work.wait()
+                event.record(done_stream)
+            finally:
+                torch.cuda.set_stream(caller)
+        req.marks.end = event
 
     def mark_ready(self, req) -> None:
         """Record where ``req``'s tensor is ready in the caller's stream (CUDA)."""

@@ -101,7 +101,8 @@ class Lane:
         self.last_iteration: Optional[IterationRecord] = None
         self.credit = CreditWindow(config.credit_bytes)
         self.order = DispatchOrder(config.policy, config.profile_iters,
-                                   feeds_forward and config.plan_forward, self._credit_for)
+                                   feeds_forward and config.plan_forward, self._credit_for,
+                                   self.cuda)
         # No per-step work beyond issuing it: the hot path applies (DispatchOrder.take_at_once).
         self.lean = not (trace_dispatch or config.verify or self.ext is not None)
         # Requests go whole, as one all-reduce each, unless a request asks otherwise.
@@ -137,6 +138,8 @@ class Lane:
         with self.lock:
             if self.failure is not None:
                 raise self.failure
+            if self.order.profiling:
+                self.issuer.mark_ready_for_profile(req)
             if (self.lean and self.cur_chunk is None and len(req.chunks) == 1
                     and len(req.steps) == 1 and self.order.take_at_once(req, self.credit)):
                 req.at_once = True
@@ -434,16 +437,13 @@ class Lane:
         steps of a decomposed chunk that they release (issued as each completes)."""
         completion = self.completion
         with self.lock:
-            if self.cuda:
-                waits = list(completion.newest.values())
-            else:
-                while ((completion.pending() or self.cur_chunk is not None)
-                       and self.failure is None):
-                    completion.ring()
-                    self.idle.wait()
-                if self.failure is not None:
-                    raise self.failure
-                return
+            while not self.cuda and ((completion.pending() or self.cur_chunk is not None)
+                                     and self.failure is None):
+                completion.ring()
+                self.idle.wait()
+            if self.failure is not None and not self.cuda:
+                raise self.failure
+            waits = list(completion.newest.values()) if self.cuda else ()
         for work in waits:
             work.wait()
 

@@ -18,7 +18,8 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from .errors import SchedulerError
 from .observer import DeviceMark, IterationRecord
-from .plan import LinkCost, Plan, RequestProfile, lane_plan
+from .plan import LinkCost, Plan, lane_plan
+from .readiness import ProfiledRequest, read_profile
 
 __all__ = ["Iteration", "DispatchOrder", "DONE"]
 
@@ -33,7 +34,8 @@ class Iteration:
                  "profile", "resolved", "planned", "plan_pos", "req_pos", "chunk_pos",
                  "t_first_ns", "crc", "sequence")
 
-    def __init__(self, index: int, profile: Optional[List[RequestProfile]], planned: bool):
+    def __init__(self, index: int, profile: Optional[List[List[ProfiledRequest]]],
+                 planned: bool):
         self.index = index
         self.requests: list = []
         self.by_key: Dict[Hashable, object] = {}
@@ -97,17 +99,20 @@ class Iteration:
 class DispatchOrder:
     """Owns a lane's iterations (the open one and those not fully dispatched, oldest
     first), the plan in force at the head, and what decides the next plan: the layout of
-    recent iterations and the readiness profile kept for it. ``credit_for(index)`` gives
-    the credit window of lane iteration ``index`` (the tuner may change it), which a plan
-    is built for."""
+    recent iterations and the profile of those that were profiled (``profiling``: the
+    requests of the open iteration are; until a plan for the layout is decided).
+    ``credit_for(index)`` gives the credit window of lane iteration ``index`` (the tuner
+    may change it), which a plan is built for; ``cuda``: profiles are device times."""
 
-    __slots__ = ("policy", "profile_iters", "feeds_forward", "credit_for", "iterations",
+    __slots__ = ("policy", "profile_iters", "feeds_forward", "credit_for", "cuda", "iterations",
                  "current", "count", "dispatched", "plan", "planned_layout", "next_profile",
-                 "last_layout", "stable_iters", "link_cost", "verify_queue")
+                 "last_layout", "stable_iters", "link_cost", "verify_queue", "profiling",
+                 "profiled")
 
     def __init__(self, policy: str, profile_iters: int, feeds_forward: bool,
-                 credit_for: Callable[[int], int]):
+                 credit_for: Callable[[int], int], cuda: bool = False):
         self.policy = policy
+        self.cuda = cuda
         self.profile_iters = profile_iters
         self.feeds_forward = feeds_forward
         self.credit_for = credit_for
@@ -117,11 +122,16 @@ class DispatchOrder:
         self.dispatched = 0                   # iterations whose every step was issued
         self.plan: Optional[Plan] = None      # in force at the head of the order
         self.planned_layout = None            # what the newest decided plan is for
-        self.next_profile: Optional[List[RequestProfile]] = None
+        self.next_profile: Optional[List[List[ProfiledRequest]]] = None
         self.last_layout = None
         self.stable_iters = 0
-        self.link_cost = LinkCost()           # the plan's cost per byte
+        self.link_cost = LinkCost()           # CPU: the plan's cost per byte
         self.verify_queue: List[tuple] = []   # (iteration, crc, sequence) to check
+        self.profiling = policy == "priority"
+        # The profiled iterations of the current layout, newest last (at most
+        # profile_iters), each its requests in submission order.
+        self.profiled: "collections.deque[List[ProfiledRequest]]" = collections.deque(
+            maxlen=profile_iters)
 
     # ---- intake ---------------------------------------------------------------------------
     def open_index(self) -> int:
@@ -204,23 +214,31 @@ class DispatchOrder:
 
     def _note_layout(self, it: Iteration) -> None:
         """Decide, from the submitted layout only (rank-invariant), whether the next
-        iteration builds a new plan; keep this iteration's readiness as its profile."""
+        iteration builds a new plan, from the profiles of the iterations of this layout,
+        and whether the next one is profiled."""
         if self.policy != "priority":
             return
         layout = tuple((r.key, r.tensor.numel(), len(r.chunks)) for r in it.requests)
-        self.stable_iters = self.stable_iters + 1 if layout == self.last_layout else 1
+        if layout == self.last_layout:
+            self.stable_iters += 1
+        else:
+            self.stable_iters = 1
+            self.profiled.clear()
         self.last_layout = layout
+        if it.requests and all(r.marks is not None for r in it.requests):
+            self.profiled.append([
+                ProfiledRequest(r.key, r.priority, tuple(c.nbytes for c in r.chunks), r.marks)
+                for r in it.requests])
         # A plan is built for a credit window too: a window switched for the next
         # iteration (the tuner, known by now) needs a new plan.
         current = ({key: nchunks for key, _, nchunks in layout},
                    self.credit_for(it.index + 1))
-        if self.planned_layout != current and self.stable_iters >= self.profile_iters:
+        if (self.planned_layout != current and self.stable_iters >= self.profile_iters
+                and self.profiled):
             self.planned_layout = current
-            t0 = it.t_first_ns
-            self.next_profile = [
-                RequestProfile(r.key, r.priority, (r.t_submit_ns - t0) * 1e-9,
-                               tuple(c.nbytes for c in r.chunks))
-                for r in it.requests]
+            self.next_profile = list(self.profiled)
+            self.profiled.clear()
+        self.profiling = self.planned_layout != current
 
     # ---- the head of the order (any thread) -------------------------------------------
     def head(self) -> Optional[Iteration]:
@@ -233,13 +251,18 @@ class DispatchOrder:
         if verify:
             self.verify_queue.append((it.index, it.crc, it.sequence))
 
-    def build_plan(self, profile: Sequence[RequestProfile], credit_bytes: int,
+    def build_plan(self, profiled: Sequence[List[ProfiledRequest]], credit_bytes: int,
                    exchange: Callable[[List[float]], List[float]]) -> Plan:
-        """The plan of ``profile``, its readiness and the link's cost per byte reduced with
-        MAX over the group first (``exchange``), so that every rank builds the same one.
-        Called at the head of the order, after every step of the previous iterations was
-        issued: the exchange sits at the same place in every rank's collective sequence."""
-        values = exchange([p.ready_s for p in profile] + [self.link_cost.seconds_per_byte])
-        profile = [p._replace(ready_s=v) for p, v in zip(profile, values)]
-        self.plan = lane_plan(profile, credit_bytes, values[-1], self.feeds_forward)
+        """The plan of the ``profiled`` iterations: their profile (the requests' readiness,
+        the link's cost per byte, the iterations' spread) reduced with MAX over the group
+        first (``exchange``), so that every rank builds the same one. Called at the head of
+        the order, after every step of the previous iterations was issued: the exchange
+        sits at the same place in every rank's collective sequence."""
+        profile = read_profile(profiled, self.cuda, self.link_cost.seconds_per_byte)
+        requests = profile.requests
+        values = exchange([p.ready_s for p in requests]
+                          + [profile.seconds_per_byte, profile.spread_s])
+        requests = [p._replace(ready_s=v) for p, v in zip(requests, values)]
+        self.plan = lane_plan(requests, credit_bytes, values[-2], self.feeds_forward,
+                              values[-1])
         return self.plan

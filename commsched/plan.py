@@ -142,6 +142,12 @@ def build_plan(requests: Sequence[RequestProfile], credit_bytes: int,
     return Plan(tuple(order), {r.key: len(r.chunk_bytes) for r in requests})
 
 
+# The window a lane that feeds the next forward is planned with where it has no credit
+# window, in bytes: one chunk on the link at a time. Its collectives run in one stream,
+# one after another, in the order they were issued; the plan chooses that order, so that
+# a chunk more urgent than the queued ones goes before them with nothing held back at run
+# time.
+SERIAL_LINK = 1
 # A layer's forward compute over its backward's: backward runs two matmuls per forward one
 # (the gradients of the input and of the weight).
 FORWARD_SHARE = 0.5
@@ -152,14 +158,30 @@ SEARCH_WORK = 100_000
 
 
 def lane_plan(requests: Sequence[RequestProfile], credit_bytes: int,
-              seconds_per_byte: float, feeds_forward: bool = False) -> Plan:
-    """The plan a lane builds from its profile: the greedy replay (:func:`build_plan`), or,
-    where the next forward consumes the requests in priority order (``feeds_forward``) and
-    every request goes whole, the order :func:`build_forward_plan` finds."""
-    plan = build_plan(requests, credit_bytes, seconds_per_byte)
-    if feeds_forward:
-        return build_forward_plan(requests, seconds_per_byte, seed=plan) or plan
-    return plan
+              seconds_per_byte: float, feeds_forward: bool = False,
+              spread_s: float = 0.0) -> Plan:
+    """The plan a lane builds from its profile: the greedy replay (:func:`build_plan`).
+
+    Where the next forward consumes the requests in priority order (``feeds_forward``), a
+    lane without a credit window is replayed as the serial link it is (``SERIAL_LINK``),
+    so that a chunk the forward needs sooner goes before queued ones; and where every
+    request goes whole, the plan is the order :func:`build_forward_plan` finds, unless the
+    model rates it no more than ``spread_s`` (how much the profiled iterations varied)
+    better than the order the requests were submitted in: a gain within the noise is
+    none, and submission order asks nothing of timings. Elsewhere (the DDP hook, whose
+    backward ends once every bucket was reduced) the order only has to keep the link busy:
+    without a window, the order requests are ready in."""
+    if not feeds_forward:
+        return build_plan(requests, credit_bytes, seconds_per_byte)
+    plan = build_plan(requests, credit_bytes or SERIAL_LINK, seconds_per_byte)
+    forward = build_forward_plan(requests, seconds_per_byte, seed=plan)
+    if forward is None:
+        return plan
+    submitted = Plan(tuple((r.key, 0) for r in requests), forward.layout)
+    keys = [r.key for r in requests]
+    gain = (forward_end(requests, seconds_per_byte, keys)
+            - forward_end(requests, seconds_per_byte, [key for key, _ in forward.order]))
+    return forward if gain > spread_s else submitted
 
 
 def build_forward_plan(requests: Sequence[RequestProfile], seconds_per_byte: float,

@@ -70,7 +70,7 @@ class Request:
         "decompose", "steps", "_future", "outcome", "chunks", "remaining", "iteration",
         "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
-        "cross_group", "issue_seq", "waited", "at_once", "synchronous",
+        "cross_group", "issue_seq", "waited", "at_once", "synchronous", "marks",
     )
 
     def __init__(self, key: Hashable, tensor: torch.Tensor, op: str, lane: Lane,
@@ -108,8 +108,11 @@ class Request:
         self.waited = False           # CPU: somebody waits for the future (Lane._urgent)
         self.at_once = False          # CUDA: every step issued from the submitter's stream
         # submit(async_op=False): issued at once, the collective runs on the caller's
-        # stream (see Lane._issue_batched)
+        # stream (see Issuer.issue_batched)
         self.synchronous = False
+        # In a profiled iteration: when it was ready and when its collectives ended
+        # (readiness.Marks)
+        self.marks = None
 
     @property
     def future(self) -> torch.futures.Future:

@@ -12,17 +12,22 @@ holds. What this cannot check is anything about devices and streams themselves: 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
 
 
 class FakeEvent:
+    """Complete at once; timed by the host's clock when it was recorded."""
+
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.recorded = 0
+        self.t = 0.0
 
     def record(self, stream=None):
         self.recorded += 1
+        self.t = time.perf_counter()
 
     def query(self):
         return True
@@ -34,7 +39,7 @@ class FakeEvent:
         pass
 
     def elapsed_time(self, other):
-        return 0.0
+        return (other.t - self.t) * 1e3
 
 
 class FakeStream:
@@ -94,7 +99,7 @@ def install() -> None:
         self.cuda = True
         self.batched = self.lean and not self.config.credit_bytes
         completion, issuer = self.completion, self.issuer
-        completion.cuda = completion.ordered = issuer.cuda = True
+        completion.cuda = completion.ordered = issuer.cuda = self.order.cuda = True
         completion.polled = not self.config.credit_bytes and not (
             self.ext is not None and self.ext.tunes)
         # (gloo's works cannot time themselves: their steps keep their completion's time)

@@ -83,9 +83,9 @@ def test_group_bytes_zero_is_one_group_per_module():
     assert Config.from_env({"COMMSCHED_GROUP_BYTES": "0"}).group_bytes == 0
 
 
-def test_two_layer_groups_in_flight_unless_set():
-    assert Config().groups_in_flight == 2
-    assert Config.from_env({"COMMSCHED_GROUPS_IN_FLIGHT": "0"}).groups_in_flight == 0
+def test_no_window_of_layer_groups_unless_set():
+    assert Config().groups_in_flight == 0
+    assert Config.from_env({"COMMSCHED_GROUPS_IN_FLIGHT": "2"}).groups_in_flight == 2
     with pytest.raises(ConfigError, match="groups_in_flight"):
         Config(groups_in_flight=-1)
 

@@ -36,6 +36,17 @@ def test_unbounded_credit_cannot_reorder_what_was_already_dispatched():
     assert plan.order == (("L", 0), ("L", 1), ("L", 2), ("L", 3), ("U", 0), ("U", 1))
 
 
+def test_a_lane_feeding_the_forward_without_a_window_is_planned_as_the_serial_link_it_is():
+    # Its collectives run one after another in the order issued: U, ready at 1.5, goes
+    # before L's queued chunks, as under a window of one chunk, with nothing held back.
+    reqs = [RequestProfile("L", 5, 0.0, (1, 1, 1, 1)), RequestProfile("U", 0, 1.5, (1, 1))]
+    assert lane_plan(reqs, 0, 1.0, feeds_forward=True).order == (
+        ("L", 0), ("L", 1), ("U", 0), ("U", 1), ("L", 2), ("L", 3))
+    # the DDP hook's lane (its backward waits for every bucket): the order they are ready
+    assert lane_plan(reqs, 0, 1.0).order == (("L", 0), ("L", 1), ("L", 2), ("L", 3),
+                                             ("U", 0), ("U", 1))
+
+
 def test_credit_window_of_two_chunks():
     # credit 2 bytes: L0, L1 go at t=0 (finish 1, 2). At t=1 L0 done -> L2 (finishes 3).
     # U ready at 1.5; at t=2 L1 done -> U0 (finishes 4); t=3 -> U1; t=4 -> L3.

@@ -121,15 +121,12 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         # application issues on ``group`` meanwhile (a loss average, a barrier) would pair
         # with different chunks on different ranks.
         self.reduce_group = sibling_group(group)
-        # Each layer group goes as one collective, unless the credit window is set in bytes
-        # (or autotune, which may set it): queued chunks are then what priorities overtake.
-        # Under a window of whole groups (``groups_in_flight``) the queued groups are, and
-        # with no window at all a group's chunks would go one after the other as soon as
-        # it is submitted, in the order the whole group would: cutting it changes no order
-        # and costs one more collective to issue per chunk. The layer group size
-        # (``group_bytes``) is then the collective size, as DDP's bucket size is.
+        # Layer groups are cut into chunks of the partition size (none by default), which
+        # the plan may interleave: a chunk of a group the next forward needs first then
+        # overtakes the queued chunks of others. Under a window of whole groups
+        # (``groups_in_flight``) the queued groups are what overtakes, and each goes whole.
         lanes = config if scheduler is None else scheduler.config
-        self.partition_bytes = None if lanes.credit_bytes or lanes.autotune else WHOLE
+        self.partition_bytes = (WHOLE if self._group_window(lanes) else None)
         self.buffer_group = None
         self.buffers = [b for b in module.buffers()]
         if broadcast_buffers and self.buffers:
@@ -181,19 +178,23 @@ class OverlapEngine(GradientSubmission, DeferredActions):
 
     def _lane_config(self, config: Config) -> Config:
         """The configuration of the engine's own scheduler: ``config``, with a credit window
-        of ``groups_in_flight`` times the largest group's buffer where ``config`` leaves
-        the window unbounded.
-
-        The first layers' group is reduced last in backward and needed first by the next
-        forward. With every group issued as soon as it is ready, it queues on the device
-        behind all the groups still running; under the window the later groups wait in the
-        lane instead, where its priority puts it first."""
+        of ``groups_in_flight`` times the largest group's buffer where that is set and
+        ``config`` leaves the window unbounded. Without one (the default) the plan orders
+        the groups in the stream ([Note: order by the device's clock] in docs/design.md);
+        under one, later groups wait in the lane, where the priority of the first layers'
+        group, reduced last in backward and needed first by the next forward, puts it
+        first."""
         config = config.with_policy("priority")
-        n = config.groups_in_flight
-        if not self.windowed or not n or config.credit_bytes or config.autotune:
+        if not self._group_window(config):
             return config
         largest = max(sent(g).nbytes for g in self.groups)
-        return config.replace(credit_bytes=min(n * largest, MAX_BYTES))
+        return config.replace(credit_bytes=min(config.groups_in_flight * largest, MAX_BYTES))
+
+    def _group_window(self, config: Config) -> bool:
+        """Whether the lane runs under a window of whole layer groups: ``groups_in_flight``
+        set, where no byte window (or the tuner) applies."""
+        return bool(self.windowed and config.groups_in_flight and not config.credit_bytes
+                    and not config.autotune)
 
     @property
     def whole_groups(self) -> bool:

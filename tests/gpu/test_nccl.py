@@ -379,6 +379,80 @@ def _delayed_producers_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+class _DelayAt(torch.autograd.Function):
+    """Identity whose backward keeps the stream busy for ``cycles`` first (read when the
+    backward runs): where in backward the device lags the host."""
+
+    @staticmethod
+    def forward(ctx, x, delays, index):
+        ctx.delays, ctx.index = delays, index
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        cycles = ctx.delays[ctx.index]
+        if cycles:
+            torch.cuda._sleep(cycles)
+        return grad, None, None
+
+
+class ShiftingDelays(Net):
+    """Each layer's gradients are produced after a device sleep whose length per layer the
+    test changes between steps (``delays``, cycles per layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.delays = [0] * len(self.layers)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(_DelayAt.apply(x, self.delays, i))
+        return x
+
+
+def _train_shifting(rank, wrapped: bool, steps=10):
+    """Profiled with the device lagging at the last layers (steps 0-1, the plan's profile),
+    trained on with it lagging at the first layers: the plan's order (from the device times
+    of the first pattern) meets producers ready in another order."""
+    torch.manual_seed(0)
+    net = ShiftingDelays().cuda()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    model = DDP(net, device_ids=[rank], bucket_cap_mb=1) if not wrapped else None
+    if wrapped:
+        model, opt = commsched.wrap(net, opt, commsched.Config(), group_bytes=0)
+    n = len(net.layers)
+    device = torch.device("cuda", rank)
+    gen = torch.Generator(device=device).manual_seed(rank)
+    for step in range(steps):
+        late = range(n - 3, n) if step < 4 else range(3)
+        net.delays[:] = [4_000_000 if i in late else 0 for i in range(n)]
+        loss = model(torch.randn(32, 512, device=device, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if wrapped:
+        commsched.drain(model)
+        engine = model._engine
+        lane = engine.scheduler._lanes[engine.reduce_group]
+        assert lane.order.cuda and lane.order.plan is not None     # planned from the device
+    params = [p.detach().clone() for p in net.parameters()]
+    if wrapped:
+        model.close()
+    return params
+
+
+def _device_plan_vs_stock_ddp(rank, world, port):
+    """The data-parallel mode's default plan, built from device times, when producers are
+    ready on the device in another order than it was profiled with: results equal stock
+    DDP's (each collective waits in the stream for its own producers)."""
+    _init(rank, world, port)
+    ref = _train_shifting(rank, wrapped=False)
+    got = _train_shifting(rank, wrapped=True)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    dist.destroy_process_group()
+
+
 class PartlyUsed(Net):
     """A layer that only rank 0 uses: every iteration, rank 1 reduces usage flags that are
     not all set (copied from host memory to the device, in both variants of the mode)."""
@@ -555,6 +629,10 @@ def test_hook_with_delayed_gradient_producers_equals_stock_ddp_nccl():
 
 def test_data_parallel_mode_equals_stock_ddp_nccl():
     _spawn(_wrap_vs_stock_ddp)
+
+
+def test_a_plan_from_device_times_with_producers_ready_in_another_order_equals_stock_ddp():
+    _spawn(_device_plan_vs_stock_ddp)
 
 
 def test_data_parallel_mode_with_a_parameter_unused_on_one_rank_equals_stock_ddp_nccl():

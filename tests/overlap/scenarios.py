@@ -47,7 +47,8 @@ class Spec(NamedTuple):
     set_to_none: bool = True        # zero_grad(set_to_none=...)
     per_rank_init: bool = False     # every rank initialises differently (see make_model)
     credit: int = 1024              # Config.credit_bytes; 0: a window of whole layer groups
-    groups_in_flight: int = 2       # Config.groups_in_flight: that window, in groups
+    groups_in_flight: int = 2       # Config.groups_in_flight: that window, in groups (0: none)
+    partition: int = 256            # Config.partition_bytes
     hold_first: bool = False        # the lane's plans send the first-submitted group last
 
 
@@ -279,7 +280,7 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
             m.register_forward_pre_hook(lambda m, a: time.sleep(random.random() * 0.002))
         for p in inner.parameters():
             p.register_hook(lambda g: time.sleep(random.random() * 0.002))
-    config = commsched.Config(decompose=spec.decompose, partition_bytes=256,
+    config = commsched.Config(decompose=spec.decompose, partition_bytes=spec.partition,
                               credit_bytes=spec.credit,
                               groups_in_flight=spec.groups_in_flight)
     with warnings.catch_warnings(record=True) as caught, _plans(spec, trace):
@@ -321,8 +322,9 @@ def _plans(spec: Spec, trace: Trace):
     from commsched.plan import Plan
     real = order.lane_plan
 
-    def lane_plan(profile, credit_bytes, seconds_per_byte, feeds_forward=False):
-        plan = real(profile, credit_bytes, seconds_per_byte, feeds_forward)
+    def lane_plan(profile, credit_bytes, seconds_per_byte, feeds_forward=False,
+                  spread_s=0.0):
+        plan = real(profile, credit_bytes, seconds_per_byte, feeds_forward, spread_s)
         if spec.hold_first and all(n == 1 for n in plan.layout.values()):
             first = min(profile, key=lambda r: r.ready_s).key
             plan = Plan(tuple(e for e in plan.order if e[0] != first) + ((first, 0),),
@@ -500,6 +502,11 @@ CASES_2 = {
     # a plan that holds the first-submitted group back until every other one went
     "plan_holds_first_group_timing": Spec(opt="adamw_foreach", sleeps=True, credit=0,
                                           hold_first=True),
+    # no window at all (the default): the plan orders whole groups, or their chunks
+    "plan_no_window_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True,
+                                  credit=0, groups_in_flight=0, partition=0),
+    "plan_no_window_chunks_unused": Spec(model="branchy", opt="rmsprop", credit=0,
+                                         groups_in_flight=0),
     "plan_holds_first_group_unused": Spec(model="branchy", opt="rmsprop",
                                                           credit=0, hold_first=True),
 }

@@ -1,11 +1,11 @@
-"""How overlap mode cuts a layer group's all-reduce into chunks.
+"""How the data-parallel mode cuts a layer group's all-reduce into chunks.
 
-With an unbounded credit window (the default) every layer group goes as one collective,
-whatever ``partition_bytes``: its chunks would go back to back anyway, and each costs one
-more collective to issue. With a bounded window the group is cut into partition-size
-chunks, which priorities can overtake. Either way the parameters after training equal
-those of the same optimizer stepping the plain model (one process, so the all-reduce is
-the identity). Observed through the scheduler's dispatch log.
+A layer group is cut into partition-size chunks, which the plan may interleave with other
+groups' (with or without a byte window), unless a window of whole layer groups applies
+(``groups_in_flight``): then the queued groups are what overtakes, and each goes as one
+collective. Either way the parameters after training equal those of the same optimizer
+stepping the plain model (one process, so the all-reduce is the identity). Observed
+through the scheduler's dispatch log.
 """
 
 import pytest
@@ -39,7 +39,7 @@ def _train(model, opt):
 
 
 @pytest.mark.parametrize("credit", [0, 3 * PARTITION])
-def test_groups_are_cut_only_under_a_credit_window(world1, credit):
+def test_groups_are_cut_by_the_partition_size_with_or_without_a_byte_window(world1, credit):
     reference = _net()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     _train(reference, ref_opt)
@@ -54,7 +54,7 @@ def test_groups_are_cut_only_under_a_credit_window(world1, credit):
         model.drain()
         log = scheduler.dispatch_log(model._engine.reduce_group)
         groups = model._engine.groups
-        assert model._engine.whole_groups is (credit == 0)
+        assert not model._engine.whole_groups
     finally:
         model.close()
 
@@ -67,22 +67,21 @@ def test_groups_are_cut_only_under_a_credit_window(world1, credit):
     assert len(chunks) == STEPS * len(groups) == STEPS * 3
     for g in groups:
         nbytes = g.buffer.numel() * g.buffer.element_size()
-        # whole (one chunk), or the partition's count: the remainder under 1/8 rides along
-        expected = 1 if not credit else max(1, nbytes // PARTITION)
+        # the partition's count: the remainder under 1/8 rides along
+        expected = max(1, nbytes // PARTITION)
         for it in range(STEPS):
             assert len(chunks[(it, g.index)]) == expected, (g.index, nbytes, chunks)
-    if credit:
-        assert any(len(c) > 1 for c in chunks.values())
+    assert any(len(c) > 1 for c in chunks.values())
     for p, q in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("settings, groups", [({}, 2), ({"groups_in_flight": 1}, 1),
-                                              ({"groups_in_flight": 0}, 0)])
+@pytest.mark.parametrize("settings, groups", [({"groups_in_flight": 2}, 2),
+                                              ({"groups_in_flight": 1}, 1)])
 def test_without_a_byte_window_whole_groups_go_under_a_window_of_layer_groups(
         world1, settings, groups):
     # The engine's own lane gets groups_in_flight times the largest group's buffer (its
-    # gradients and usage flags) as its credit window; the groups still go whole.
+    # gradients and usage flags) as its credit window; the groups go whole.
     net = _net()
     config = commsched.Config(partition_bytes=PARTITION, **settings)
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, group_bytes=0)
@@ -97,9 +96,10 @@ def test_without_a_byte_window_whole_groups_go_under_a_window_of_layer_groups(
         model.close()
 
 
-@pytest.mark.parametrize("settings", [{"credit_bytes": 3 * PARTITION},
+@pytest.mark.parametrize("settings", [{}, {"credit_bytes": 3 * PARTITION},
                                       {"decompose": "rs_ag"}, {"autotune": True}])
-def test_a_byte_window_autotune_or_rs_ag_leave_the_window_of_groups_out(world1, settings):
+def test_the_defaults_a_byte_window_autotune_or_rs_ag_leave_the_window_of_groups_out(
+        world1, settings):
     net = _net()
     config = commsched.Config(partition_bytes=PARTITION, **settings)
     model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, group_bytes=0)

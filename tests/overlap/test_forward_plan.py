@@ -13,7 +13,8 @@ import pytest
 from .scenarios import CASES_2
 
 WHOLE = ["group_window_timing", "group_window_tied_accumulation",
-         "plan_holds_first_group_timing", "plan_holds_first_group_unused"]
+         "plan_holds_first_group_timing", "plan_holds_first_group_unused",
+         "plan_no_window_timing"]
 WARMUP = 2      # Config.profile_iters
 
 

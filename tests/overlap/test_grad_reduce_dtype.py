@@ -72,10 +72,10 @@ def _equal_to_the_compression_hook(rank, world, dtype, cuda_paths=False):
     _train(ddp, _sgd(ddp.parameters()), rank)
     _train(DDP(plain), _sgd(plain.parameters()), rank)
     model, opt = wrap(ours, _sgd(ours.parameters()),
-                      Config(grad_reduce_dtype=dtype, group_bytes=0))
+                      Config(grad_reduce_dtype=dtype, group_bytes=0, groups_in_flight=2))
     engine = model._engine
     assert [g.comm.dtype for g in engine.groups] == [getattr(torch, dtype)] * 3
-    # the window of two groups in flight counts the bytes sent: 2 per element
+    # a window of two groups in flight counts the bytes sent: 2 per element
     assert engine.scheduler.config.credit_bytes == 2 * max(g.comm.numel() * 2
                                                            for g in engine.groups)
     sent = []

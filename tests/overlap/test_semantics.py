@@ -107,3 +107,12 @@ def test_windows_of_whole_layer_groups_keep_results_equal_to_ddp(two_ranks, name
     r = two_ranks[name]
     _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
     assert r["in_flight"] > 0
+
+
+@pytest.mark.parametrize("name", ["plan_no_window_timing", "plan_no_window_chunks_unused"])
+def test_without_a_window_the_plan_s_order_keeps_results_equal_to_ddp(two_ranks, name):
+    # no window of groups nor of bytes (the default): the plan alone orders whole layer
+    # groups (with random sleeps) or their chunks (with unused parameters) on the link
+    r = two_ranks[name]
+    _equal_to_ddp(r, ("loss", "seen", "final", "opt_state"))
+    assert r["in_flight"] > 0

@@ -19,7 +19,8 @@ def test_every_layer_group_all_reduce_is_recorded_with_the_lane_window(world1, t
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                         nn.Linear(32, 2))
-    config = commsched.Config(telemetry_dir=str(tmp_path), telemetry_nvml_period_ms=0)
+    config = commsched.Config(telemetry_dir=str(tmp_path), telemetry_nvml_period_ms=0,
+                              groups_in_flight=2)
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, group_bytes=0)
     try:
         groups = {str(g.index): g.buffer.numel() * g.buffer.element_size()
