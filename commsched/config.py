@@ -208,8 +208,9 @@ class Config:
 
     profile_iters: int = field(default=2, metadata=_env(
         "COMMSCHED_PROFILE_ITERS", minimum=1, maximum=100_000))
-    """Iterations with an unchanged request layout, run in fifo order and profiled, before
-    a priority plan is built; at least 1."""
+    """Iterations with an unchanged request layout, run in fifo order and profiled on the
+    device, before a priority plan is built; at least 1. A lane's first iteration is not
+    one of them."""
 
     timeout_s: int = field(default=0, metadata=_env("COMMSCHED_TIMEOUT_S",
                                                     maximum=30 * 24 * 3600))

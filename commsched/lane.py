@@ -107,8 +107,7 @@ class Lane:
         self.lean = not (trace_dispatch or config.verify or self.ext is not None)
         # Requests go whole, as one all-reduce each, unless a request asks otherwise.
         self.whole = self.lean and config.partition_bytes == 0 and config.decompose == "none"
-        # Steps get timing events where an extension records them.
-        self.timed = self.ext is not None and self.ext.timed
+        self.timed = self.ext is not None and self.ext.timed     # (steps get timing events)
         # CUDA, untimed, unbounded credit: steps issued at once go into completion batches
         # with no per-step work at all (Issuer.issue_batched).
         self.batched = self.cuda and self.lean and not config.credit_bytes
@@ -128,7 +127,7 @@ class Lane:
 
     def submit_settings(self):
         """The settings of the iteration the next request joins (None: the config's)."""
-        return None if self.ext is None else self.ext.settings_for(self.order.open_index())
+        return self.ext.settings_for(self.order.open_index()) if self.ext else None
 
     # ---- submission (training thread) ----------------------------------------------------
     def add(self, req) -> None:
@@ -243,7 +242,7 @@ class Lane:
     def _resolve_head(self, it: Iteration) -> bool:
         """``it`` reached the head of the order: what every rank does there, in the same
         place of its collective sequence (verification, the tuner, a new plan), then the
-        plan in force. False where verification failed the lane."""
+        plan in force. False where that failed the lane."""
         order = self.order
         if order.verify_queue:
             checked, order.verify_queue = order.verify_queue, []
@@ -256,7 +255,15 @@ class Lane:
             self.ext.at_head(it)
             self.credit.limit = self._credit_for(it.index)
         if it.profile is not None:
-            plan = order.build_plan(it.profile, self.credit.limit, self._exchange_floats)
+            try:
+                plan = order.build_plan(it.profile, self.credit.limit, lambda values: (
+                    all_reduce_max(values, torch.float64, self.group, self.device,
+                                   self.issuer.launch_stream)))
+            except Exception as exc:  # noqa: BLE001 (a peer gone: fail the lane, naming it)
+                self._fail(SchedulerError(
+                    f"commsched: the plan exchange at the head of iteration {it.index} on "
+                    f"lane {self.name} (ranks {list(self.ranks)}) failed: {exc}"))
+                return False
             if self.trace_dispatch:
                 self.dispatch_log.append(("plan", plan.order))
         it.plan, it.resolved = order.plan, True
@@ -367,10 +374,8 @@ class Lane:
         return True
 
     def _settle_batch(self, item: InFlight) -> None:
-        """A batch completed (lock held): its credit back. A failed collective fails the
-        lane. Its steps' time on the link is unknown (one event after the last): from its
-        first dispatch to its end is mostly the backward that produced its tensors, and
-        the plan's cost per byte (LinkCost) must not take that for link time."""
+        """A batch completed (lock held): its credit back; a failed collective fails the
+        lane. (Its link time is unknown: one event after the last of its steps.)"""
         if item.error is not None:
             self._fail(SchedulerError(
                 f"commsched: one of {item.describe()} on lane {self.name} (ranks "
@@ -396,8 +401,7 @@ class Lane:
 
     # ---- failure and request outcomes -------------------------------------------------
     def _fail(self, error: BaseException) -> None:
-        """Record the lane's failure (lock held). Futures are failed outside the lock by
-        whoever called, via ``_take_failed_requests``."""
+        """Record the lane's failure (lock held); see ``_take_failed_requests``."""
         if self.failure is None:
             self.failure = self.completion.failure = error
         self.idle.notify_all()
@@ -418,10 +422,6 @@ class Lane:
         if self.trace_dispatch:
             self.dispatch_log.append(("autotune", what))
         return out
-
-    def _exchange_floats(self, values: List[float]) -> List[float]:
-        return all_reduce_max(values, torch.float64, self.group, self.device,
-                              self.issuer.launch_stream)
 
     def awaited(self, req) -> None:
         """Somebody blocks on ``req``'s future (CPU): complete it as soon as it is issued."""

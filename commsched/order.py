@@ -127,7 +127,9 @@ class DispatchOrder:
         self.stable_iters = 0
         self.link_cost = LinkCost()           # CPU: the plan's cost per byte
         self.verify_queue: List[tuple] = []   # (iteration, crc, sequence) to check
-        self.profiling = policy == "priority"
+        # A lane's first iteration is not profiled: allocations, lazy initialisation and
+        # the autotuning of kernels make it unlike the ones after it.
+        self.profiling = False
         # The profiled iterations of the current layout, newest last (at most
         # profile_iters), each its requests in submission order.
         self.profiled: "collections.deque[List[ProfiledRequest]]" = collections.deque(
@@ -233,8 +235,7 @@ class DispatchOrder:
         # iteration (the tuner, known by now) needs a new plan.
         current = ({key: nchunks for key, _, nchunks in layout},
                    self.credit_for(it.index + 1))
-        if (self.planned_layout != current and self.stable_iters >= self.profile_iters
-                and self.profiled):
+        if self.planned_layout != current and len(self.profiled) >= self.profile_iters:
             self.planned_layout = current
             self.next_profile = list(self.profiled)
             self.profiled.clear()

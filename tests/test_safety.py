@@ -63,7 +63,7 @@ def test_verify_reports_the_first_divergence():
     run_workers(_diverging_sequence, 2, timeout=90)
 
 
-def _dies_mid_iteration(rank, world, port, out_dir):
+def _dies_mid_iteration(rank, world, port, out_dir, crash_at):
     from commsched.telemetry import open_recorder
 
     os.environ["COMMSCHED_TIMEOUT_S"] = "20"
@@ -74,8 +74,8 @@ def _dies_mid_iteration(rank, world, port, out_dir):
     recorder = open_recorder(config, rank=rank, world_size=world)
     sched = Scheduler(config, observer=recorder)
     try:
-        for it in range(5):
-            if rank == 1 and it == 3:
+        for it in range(crash_at + 2):
+            if rank == 1 and it == crash_at:
                 os._exit(17)                       # a rank crashes mid-run
             reqs = [sched.submit(torch.ones(4096), key=i) for i in range(4)]
             sched.end_iteration()
@@ -89,8 +89,13 @@ def _dies_mid_iteration(rank, world, port, out_dir):
     os._exit(0)
 
 
-def test_a_dead_peer_is_an_error_naming_the_chunk_not_a_hang(tmp_path):
-    ctx = mp.start_processes(_dies_mid_iteration, args=(2, free_port(), str(tmp_path)),
+# Iteration 3 begins with the plan exchange (iterations 1 and 2 profiled); later ones
+# issue their chunks under the plan.
+@pytest.mark.parametrize("crash_at, during", [(3, "plan exchange"), (5, "chunk")])
+def test_a_dead_peer_is_an_error_naming_what_it_was_waiting_for_not_a_hang(
+        tmp_path, crash_at, during):
+    ctx = mp.start_processes(_dies_mid_iteration,
+                             args=(2, free_port(), str(tmp_path), crash_at),
                              nprocs=2, join=False, start_method="spawn")
     t0 = time.monotonic()
     for p in ctx.processes:
@@ -102,9 +107,13 @@ def test_a_dead_peer_is_an_error_naming_the_chunk_not_a_hang(tmp_path):
     assert not alive, "a rank hung"
     assert ctx.processes[0].exitcode == 3
     message = (tmp_path / "rank0.txt").read_text()
-    assert "commsched:" in message and "iteration 3" in message, message
-    assert "bytes" in message and "ranks [0, 1]" in message, message
+    assert "commsched:" in message and f"iteration {crash_at}" in message, message
+    assert "ranks [0, 1]" in message, message
     assert elapsed < 60
+    if during == "plan exchange":
+        assert "plan exchange" in message, message
+        return
+    assert "bytes" in message, message
     # The survivor's telemetry store is readable and records the failed chunk.
     from commsched.telemetry import load_run
 
@@ -112,4 +121,4 @@ def test_a_dead_peer_is_an_error_naming_the_chunk_not_a_hang(tmp_path):
     rows = [r for r in run.rows("comm_ops") if r["rank"] == 0]
     assert any(r["ok"] for r in rows), "completed chunks before the failure are stored"
     failed = [r for r in rows if not r["ok"]]
-    assert failed and failed[0]["iteration"] == 3, failed
+    assert failed and failed[0]["iteration"] == crash_at, failed

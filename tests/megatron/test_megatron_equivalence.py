@@ -41,11 +41,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
                                 "worker_site"))
 
 WORLD = 2
-ITERATIONS = 4
+ITERATIONS = 6
 LR = 0.05
 BUCKET = 400          # elements: the MLP below gets three bucket groups
 # Small chunks and credit so that buckets are cut and dispatch is gated; profile_iters=1
-# so that iterations 2 and 3 already run on a priority plan.
+# so that the scheduler's last iterations run on a priority plan (its first is not
+# profiled, its second is), also where only every other iteration is patched.
 COMMSCHED = dict(partition_bytes=512, credit_bytes=1024, policy="priority", profile_iters=1)
 
 SCENARIOS = {

@@ -4,8 +4,8 @@ groups go whole, followed on every rank, and free to hold a ready group back.
 Read from the 2-rank scenarios (see scenarios.py): each records the plans its scheduler
 lanes built (whether the lane feeds the next forward, the order) and, per iteration, the
 order in which the layer groups' collectives were issued (the lane's dispatch log).
-Iterations 0 and 1 are the profiled warm-up (submission order); the plan built from
-iteration 1's profile is in force from iteration 2 on.
+Iterations 0 to 2 are the warm-up in submission order (the lane's first iteration, then
+the two profiled ones); the plan built from their profile is in force from iteration 3 on.
 """
 
 import pytest
@@ -15,7 +15,7 @@ from .scenarios import CASES_2
 WHOLE = ["group_window_timing", "group_window_tied_accumulation",
          "plan_holds_first_group_timing", "plan_holds_first_group_unused",
          "plan_no_window_timing"]
-WARMUP = 2      # Config.profile_iters
+WARMUP = 3      # the lane's first iteration and Config.profile_iters
 
 
 def _forward_plans(row):
