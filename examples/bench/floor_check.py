@@ -40,8 +40,11 @@ MODES = ("compute_only", "ddp_default", "comm_only", "ddp_commsched",
          "ddp_commsched_telemetry")
 
 
-def regime_env(regime: str, quick: bool) -> Dict[str, str]:
+def regime_env(regime: str, quick: bool, site: Path) -> Dict[str, str]:
+    """The regime's NCCL environment, no COMMSCHED settings, and this checkout's commsched
+    (as installed: commsched.hooks inside) first on the path of every process started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
     for name, value in {**REGIMES[regime], **ALWAYS_ENV}.items():
         if value is None:
             env.pop(name, None)
@@ -52,21 +55,22 @@ def regime_env(regime: str, quick: bool) -> Dict[str, str]:
     return env
 
 
-def run(cmd: List[str], env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run(cmd: List[str], env: Dict[str, str], timeout: float, cwd: str
+        ) -> subprocess.CompletedProcess:
     print(f"[floor-check] {' '.join(cmd)}", flush=True)
-    return subprocess.run(cmd, cwd=benchlib.REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def check_regime(regime: str, args, tmp: str) -> Dict[str, Any]:
-    env = regime_env(regime, args.quick)
+def check_regime(regime: str, args, tmp: str, site: Path) -> Dict[str, Any]:
+    env = regime_env(regime, args.quick, site)
     out: Dict[str, Any] = {"regime": regime, "errors": []}
     script = [str(BENCH / "train_lm.py"), "--steps", str(args.warmup + args.iters + 10)]
     if args.quick:
         script.append("--quick")
     proc = run([sys.executable, "-m", "commsched", "floor", "--iters", str(args.iters),
                 "--warmup", str(args.warmup), "--json", "--standalone", "--nproc-per-node",
-                "2", *script], env, args.timeout)
+                "2", *script], env, args.timeout, tmp)
     if proc.returncode == 0:
         out["floor"] = json.loads(proc.stdout)
     else:
@@ -79,8 +83,9 @@ def check_regime(regime: str, args, tmp: str) -> Dict[str, Any]:
                 "--modes", ",".join(MODES), "--warmup", str(args.warmup),
                 "--iters", str(max(1, args.iters // args.window)), "--rounds",
                 str(args.rounds), "--telemetry-root", root, "--out", result]
+               + ["--timeout", str(args.timeout - 30)]
                + (["--quick", "--cpu"] if args.quick else []),
-               {**env, "BENCH_WINDOW": window}, args.timeout)
+               {**env, "BENCH_WINDOW": window}, args.timeout, tmp)
     if proc.returncode != 0 or not os.path.exists(result):
         out["errors"].append(f"harness: {proc.stdout.strip()[-1500:]}")
         return out
@@ -94,7 +99,7 @@ def check_regime(regime: str, args, tmp: str) -> Dict[str, Any]:
     telemetry = sorted(Path(root).glob(f"{regime}_w2_ddp_commsched_telemetry*"))
     if telemetry:
         proc = run([sys.executable, "-m", "commsched", "report", "--json", str(telemetry[0])],
-                   env, args.timeout)
+                   env, args.timeout, tmp)
         if proc.returncode == 0:
             report = json.loads(proc.stdout)
             out["report"] = {"run_dir": str(telemetry[0]), "floor": report["floor"],
@@ -156,9 +161,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--regimes: choose from {', '.join(REGIMES)}")
     results = []
     with tempfile.TemporaryDirectory(prefix="commsched-floor-check-") as tmp:
+        site = benchlib.commsched_site(Path(tmp))
         for regime in regimes:
             try:
-                results.append(check_regime(regime, args, tmp))
+                results.append(check_regime(regime, args, tmp, site))
             except subprocess.TimeoutExpired as exc:
                 results.append({"regime": regime, "errors": [f"timed out: {exc.cmd[:4]}"]})
     document = {"schema": "commsched.bench.floor_check/1", "created_utc": benchlib.utc_now(),
