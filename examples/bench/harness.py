@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -138,18 +139,11 @@ def gpt_workload(quick: bool) -> Workload:
         # BENCH_GPT_MICRO_BATCH=k: a GPU-bound variant (the default 4 is host-bound on H200).
         config, micro_batch = models.GPTConfig(), _env_int("BENCH_GPT_MICRO_BATCH", 4)
 
-    def make_batch(device, generator):
-        size = (micro_batch, config.seq)
-        tokens = torch.randint(0, config.vocab, size, device=device, generator=generator)
-        targets = torch.randint(0, config.vocab, size, device=device, generator=generator)
-        return tokens, targets
-
-    def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     return Workload("gpt", "tokens", micro_batch * config.seq,
                     {**dataclasses.asdict(config), "micro_batch": micro_batch},
-                    lambda: models.GPT(config), make_batch, loss, "adamw")
+                    lambda: models.GPT(config),
+                    functools.partial(models.lm_batch, config.vocab, micro_batch, config.seq),
+                    models.lm_loss, "adamw")
 
 
 def gpt2_library_workload(quick: bool) -> Workload:
@@ -174,20 +168,12 @@ def gpt2_library_workload(quick: bool) -> Workload:
                                          attn_pdrop=0.0)
         return models.LibraryLM(transformers.GPT2LMHeadModel(config))
 
-    def make_batch(device, generator):
-        size = (micro_batch, seq)
-        tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-        targets = torch.randint(0, shape["vocab_size"], size, device=device,
-                                generator=generator)
-        return tokens, targets
-
-    def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     return Workload("gpt2_lib", "tokens", micro_batch * seq,
                     {**shape, "library": "transformers GPT2LMHeadModel",
                      "micro_batch": micro_batch, "seq": seq},
-                    build, make_batch, loss, "adamw")
+                    build, functools.partial(models.lm_batch, shape["vocab_size"],
+                                             micro_batch, seq),
+                    models.lm_loss, "adamw")
 
 
 def llama_library_workload(quick: bool) -> Workload:
@@ -202,19 +188,11 @@ def llama_library_workload(quick: bool) -> Workload:
         except ImportError as exc:
             raise ModeUnavailable(f"transformers is not installed ({exc})") from None
 
-    def make_batch(device, generator):
-        size = (shape["micro_batch"], shape["seq"])
-        tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-        targets = torch.randint(0, shape["vocab_size"], size, device=device,
-                                generator=generator)
-        return tokens, targets
-
-    def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     return Workload("llama_lib", "tokens", shape["micro_batch"] * shape["seq"],
                     {**shape, "library": "transformers LlamaForCausalLM"},
-                    build, make_batch, loss, "adamw")
+                    build, functools.partial(models.lm_batch, shape["vocab_size"],
+                                             shape["micro_batch"], shape["seq"]),
+                    models.lm_loss, "adamw")
 
 
 def _image_workload(name: str, build: Callable[[], nn.Module], batch: int, resolution: int,

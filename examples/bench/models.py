@@ -25,6 +25,7 @@ import torch.nn.functional as F
 __all__ = [
     "GPTConfig", "GPT", "VGG", "VGG16_LAYOUT", "vgg16", "ResNet", "Bottleneck", "resnet50",
     "count_parameters", "LibraryLM", "LLAMA_SHAPE", "LLAMA_QUICK_SHAPE", "llama_lm",
+    "lm_batch", "lm_loss",
 ]
 
 
@@ -281,3 +282,18 @@ def llama_lm(shape: dict = LLAMA_SHAPE) -> LibraryLM:
     config = transformers.LlamaConfig(**layers, max_position_embeddings=shape["seq"],
                                       tie_word_embeddings=False, attention_dropout=0.0)
     return LibraryLM(transformers.LlamaForCausalLM(config))
+
+
+def lm_batch(vocab: int, micro_batch: int, seq: int, device: torch.device,
+             generator: torch.Generator):
+    """A random language-model batch: (tokens, next-token targets), each (micro_batch, seq),
+    drawn in that order from ``generator``."""
+    size = (micro_batch, seq)
+    tokens = torch.randint(0, vocab, size, device=device, generator=generator)
+    targets = torch.randint(0, vocab, size, device=device, generator=generator)
+    return tokens, targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every token position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -41,11 +41,10 @@ from typing import Any, Dict, List, Optional
 import benchlib  # first: puts the checkout on sys.path
 
 import torch
-import torch.nn.functional as F
 
 import models
+import train_lm
 
-SEED = 1234
 MODES = ("hook", "dp")
 TOLERANCE = 0.02        # counted within 2% of expected
 
@@ -110,22 +109,12 @@ def _observer(config, rank: int, world_size: int) -> Optional[_FakeLinkTraffic]:
     return traffic
 
 
-def _build(spec: Spec, device: torch.device):
-    torch.manual_seed(SEED)
-    with device:
-        if spec.quick:
-            shape = {"seq": 64, "micro_batch": 2, "vocab_size": 4096}
-            return models.GPT(models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
-                                               vocab=4096)), shape
-        return models.llama_lm(models.LLAMA_SHAPE), models.LLAMA_SHAPE
-
-
 def _train(mode: str, rank: int, spec: Spec) -> None:
     import commsched
     hooks = benchlib.import_commsched_hooks()
     cuda = spec.backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    model, shape = _build(spec, device)
+    model, shape = train_lm.build(spec.quick, device)
     config = commsched.Config.from_env().replace(
         enabled=True, telemetry_dir=os.path.join(spec.root, mode))
     observer = _observer(config, rank, spec.world_size) if spec.quick else None
@@ -139,18 +128,8 @@ def _train(mode: str, rank: int, spec: Spec) -> None:
         net, optimizer = commsched.wrap(
             model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **extra),
             config, observer=observer)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(SEED + 1 + rank)
-    size = (shape["micro_batch"], shape["seq"])
-    tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-    targets = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-    for _ in range(spec.steps):          # no synchronisation: the host runs ahead
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = net(tokens)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    tokens, targets = train_lm.batch(shape, device, rank)
+    train_lm.train(net, optimizer, tokens, targets, spec.steps, cuda)
     if mode == "hook":
         state.close()
     else:

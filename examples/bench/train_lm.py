@@ -18,13 +18,44 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
 
 SEED = 1234         # as the harness: the same weights and batches as its llama_lib modes
+
+
+def build(quick: bool, device: torch.device):
+    """The model on ``device`` (from ``SEED``) and its shape: seq, micro_batch, vocab_size."""
+    torch.manual_seed(SEED)
+    with device:
+        if quick:
+            return (models.GPT(models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
+                                                vocab=4096)),
+                    {"seq": 64, "micro_batch": 2, "vocab_size": 4096})
+        return models.llama_lm(models.LLAMA_SHAPE), models.LLAMA_SHAPE
+
+
+def batch(shape: dict, device: torch.device, rank: int):
+    """This rank's fixed random batch, as the harness draws it."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(SEED + 1 + rank)
+    return models.lm_batch(shape["vocab_size"], shape["micro_batch"], shape["seq"], device,
+                           generator)
+
+
+def train(model, optimizer, tokens, targets, steps: int, cuda: bool):
+    """``steps`` training steps with no synchronisation (the host runs ahead of the
+    device, as in training); the last loss."""
+    loss = None
+    for _ in range(steps):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = models.lm_loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def main() -> None:
@@ -39,31 +70,12 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    torch.manual_seed(SEED)
-    with device:
-        if args.quick:
-            shape = {"seq": 64, "micro_batch": 2, "vocab_size": 4096}
-            model = models.GPT(models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
-                                                vocab=4096))
-        else:
-            shape = models.LLAMA_SHAPE
-            model = models.llama_lm(shape)
+    model, shape = build(args.quick, device)
     model = DDP(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                                   **({"fused": True} if cuda else {}))
-    generator = torch.Generator(device=device)
-    generator.manual_seed(SEED + 1 + rank)
-    size = (shape["micro_batch"], shape["seq"])
-    tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-    targets = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-    loss = None
-    for _ in range(args.steps):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    tokens, targets = batch(shape, device, rank)
+    loss = train(model, optimizer, tokens, targets, args.steps, cuda)
     if rank == 0 and loss is not None:
         print(f"loss after {args.steps} steps: {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
