@@ -323,7 +323,7 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     proc, _, _, traces = harness_options_run
     assert proc.returncode == 0, explain(proc)
     expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
-                for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0",
+                for mode in ("compute_only", "comm_only", "sweep_p64K_c256K", "sweep_p0_c0",
                              "dpsweep_p64K_c256K", "dpsweep_p0_c0", "dpsweep_p0_c0_g0")
                 for rank in range(3) for suffix in ("", "_r2")}
     assert {p.name for p in traces.iterdir()} == expected

@@ -124,7 +124,7 @@ def test_floor_on_a_ddp_script_prints_the_table_and_leaves_the_scripts_outputs(t
 
 def test_a_script_that_ends_too_soon_is_a_clear_error(tmp_path):
     proc = floor_command(["--iters", "5", "--warmup", "5", "--standalone",
-                          "--nproc-per-node", "2", SCRIPT, "--steps", "3"], cwd=tmp_path)
+                          "--nproc-per-node", "1", SCRIPT, "--steps", "3"], cwd=tmp_path)
     assert proc.returncode == 1
     assert "ended after 3 optimizer steps; the measurement needs 10" in proc.stderr
     assert "Traceback" not in proc.stderr.split("--- its output")[0]
