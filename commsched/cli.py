@@ -6,6 +6,7 @@
     commsched patch-launch SCRIPT      make a Megatron-LM launch script run under commsched
     commsched report RUN_DIR           per-iteration telemetry report
     commsched trace RUN_DIR -o F       Perfetto/Chrome trace of a run
+    commsched floor TORCHRUN_ARGS...   how close a DDP script's step is to the overlap floor
     commsched simulate RUN_DIR ...     project a recorded run to N GPUs / other links
 """
 
@@ -24,6 +25,8 @@ _COMMANDS = {
                      "rewrite a Megatron-LM launch script to run under commsched"),
     "report": ("commsched.telemetry.report", "report_main", "telemetry report of a run"),
     "trace": ("commsched.telemetry.trace", "trace_main", "Perfetto trace of a run"),
+    "floor": ("commsched.floor", "main",
+              "time a DDP script's compute only, comm only and with the hook: its floor"),
     "simulate": ("commsched.sim.whatif", "simulate_main",
                  "what-if projection of a recorded run to other cluster sizes"),
 }

@@ -28,8 +28,8 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 # Modes the harness measures itself, with no commsched API involved: these must run.
-HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound")
-ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "bound",
+HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor")
+ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor",
              "ddp_python_hook", "ddp_bf16_hook", "ddp_min_hook", "ddp_min_hook_join",
              "ddp_min_hook_join_div",
              "ddp_commsched", "ddp_commsched_sum", "ddp_commsched_large", "ddp_commsched_route",
@@ -52,7 +52,7 @@ VARIANT_MODES = ("ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_la
                  "commsched_dp_rows_first_unbounded")
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
-               "throughput_unit", "ratio_to_bound")
+               "throughput_unit", "efficiency")
 ITERS = 2
 WINDOW = 3      # BENCH_WINDOW of the harness run: one interior step per window
 
@@ -88,7 +88,7 @@ def harness_tmpdir(tmp_path_factory):
 def harness_run(tmp_path_factory, harness_tmpdir):
     out = tmp_path_factory.mktemp("bench") / "harness.json"
     # Every mode but the ones that only vary another's settings (kept out for CI time).
-    modes = [m for m in ALL_MODES if m != "bound" and m not in VARIANT_MODES]
+    modes = [m for m in ALL_MODES if m != "floor" and m not in VARIANT_MODES]
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--timeout", "200",
                                      "--modes", ",".join(modes), "--out", str(out)],
@@ -144,8 +144,8 @@ def test_harness_reports_every_mode_with_a_number_or_a_reason(harness_run):
         assert result["status"] in ("ok", "n/a"), f"{name}: {result['status']}: {result['reason']}"
         if result["status"] == "ok":
             assert is_number(result["median_ms"]) and result["median_ms"] > 0, name
-            assert is_number(result["ratio_to_bound"]), name
-            if name != "bound":
+            assert is_number(result["efficiency"]), name
+            if name != "floor":
                 assert len(result["iter_ms"]) == ITERS, name
                 assert all(is_number(t) for t in result["iter_ms"]), name
                 assert result["p10_ms"] <= result["median_ms"] <= result["p90_ms"], name
@@ -153,24 +153,26 @@ def test_harness_reports_every_mode_with_a_number_or_a_reason(harness_run):
                 assert len(steady) == ITERS * (WINDOW - 2), name
                 assert all(is_number(t) and t > 0 for t in steady), name
                 assert result["steady_median_ms"] == statistics.median(steady), name
-                assert is_number(result["steady_ratio_to_bound"]), name
+                assert is_number(result["steady_efficiency"]), name
         else:
             assert isinstance(result["reason"], str) and result["reason"].strip(), name
             assert result["median_ms"] is None, name
 
 
-def test_harness_measures_its_own_modes_and_derives_the_bound(harness_run):
+def test_harness_measures_its_own_modes_and_derives_the_floor(harness_run):
     _, document = harness_run
     modes = document["launches"][0]["runs"][0]["modes"]
     for name in HARNESS_OWN_MODES:
         assert modes[name]["status"] == "ok", f"{name}: {modes[name]['reason']}"
-    bound = modes["bound"]
-    assert bound["median_ms"] == max(modes["compute_only"]["median_ms"],
+    floor = modes["floor"]
+    assert floor["median_ms"] == max(modes["compute_only"]["median_ms"],
                                      modes["comm_only"]["median_ms"])
-    assert bound["ratio_to_bound"] == 1.0
-    assert bound["steady_median_ms"] == max(modes["compute_only"]["steady_median_ms"],
+    assert floor["efficiency"] == 1.0
+    assert floor["steady_median_ms"] == max(modes["compute_only"]["steady_median_ms"],
                                             modes["comm_only"]["steady_median_ms"])
-    assert bound["steady_ratio_to_bound"] == 1.0
+    assert floor["steady_efficiency"] == 1.0
+    ddp = modes["ddp_default"]
+    assert ddp["efficiency"] == pytest.approx(floor["median_ms"] / ddp["median_ms"])
     assert modes["comm_only"]["buckets"] == len(modes["comm_only"]["bucket_bytes"]) >= 1
     assert is_number(modes["compute_only"]["throughput"])
 
@@ -222,7 +224,7 @@ def harness_options_run(tmp_path_factory):
     out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--world-size", "3",
-                                     "--rounds", "2", "--modes", "compute_only",
+                                     "--rounds", "2", "--modes", "compute_only,comm_only",
                                      "--sweep", "64K/256K,0/0",
                                      "--dp-sweep", "64K/256K,0/0,0/0/0",
                                      "--telemetry-root", str(root),
@@ -254,9 +256,10 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
     # The second round runs the modes in reverse order.
     rounds = proc.stdout.split("round 2 of 2")
     timed = [[line.split()[3].rstrip(":") for line in part.splitlines()
-              if line.startswith("[bench] nvlink gpt ") and "ms/iter" in line]
+              if line.startswith("[bench] nvlink gpt ") and "ms/iter" in line
+              and not line.startswith("[bench] nvlink gpt floor:")]    # (derived, at the end)
              for part in rounds]
-    assert len(timed[0]) == 6, proc.stdout          # compute_only, 2 sweep, 3 dp-sweep
+    assert len(timed[0]) == 7, proc.stdout   # compute_only, comm_only, 2 sweep, 3 dp-sweep
     assert timed[1] == timed[0][::-1]
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "partition 64K, credit 256K" in table and "not selected" not in table
@@ -271,6 +274,12 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
     rows = json.loads(report.stdout)["rows"]
     assert {row["rank"] for row in rows} == {0, 1, 2}
     assert all(row["bytes"] > 0 for row in rows)
+    # Each keeps the run's compute only and comm only: the report's efficiency column.
+    floor = modes["floor"]
+    kept = json.loads((root / dirs[2] / "floor.json").read_text())
+    assert kept["source"] == "harness" and kept["floor_ms"] == floor["median_ms"]
+    assert all(row["efficiency"] == pytest.approx(floor["median_ms"] / row["iteration_ms"])
+               for row in rows if row["iteration_ms"])
 
 
 def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_options_run):
@@ -314,7 +323,7 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     proc, _, _, traces = harness_options_run
     assert proc.returncode == 0, explain(proc)
     expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
-                for mode in ("compute_only", "sweep_p64K_c256K", "sweep_p0_c0",
+                for mode in ("compute_only", "comm_only", "sweep_p64K_c256K", "sweep_p0_c0",
                              "dpsweep_p64K_c256K", "dpsweep_p0_c0", "dpsweep_p0_c0_g0")
                 for rank in range(3) for suffix in ("", "_r2")}
     assert {p.name for p in traces.iterdir()} == expected
@@ -509,7 +518,7 @@ def test_a_hung_launch_prints_each_workers_stacks_before_it_is_terminated(capfd)
 
 def test_the_table_gives_each_training_mode_its_ratio_to_ddp_and_the_process_cpu():
     """x DDP: the ratio of medians to DDP default in the same run, for training modes only
-    (not compute only, comm only or the bound); CPU ms/iter: rank 0's process CPU."""
+    (not compute only, comm only or the floor); CPU ms/iter: rank 0's process CPU."""
     by_name = {mode.name: mode for mode in harness.MODES}
     modes = {}
     for name, median, cpu in (("compute_only", 80.0, 50.0), ("comm_only", 10.0, 3.0),
@@ -524,7 +533,7 @@ def test_the_table_gives_each_training_mode_its_ratio_to_ddp_and_the_process_cpu
         modes[name] = result
     run = harness.finish_run({"regime": "host", "model": "gpt", "modes": modes,
                               "items_per_step": 1024, "unit": "tokens"},
-                             [by_name[n] for n in (*modes, "bound")])
+                             [by_name[n] for n in (*modes, "floor")])
     table = harness.results_table({"settings": {"rounds": 2}, "launches": [{"runs": [run]}]})
     header = [c.strip() for c in table.splitlines()[0].strip("|").split("|")]
     rows = {cells[2]: cells for cells in
@@ -533,7 +542,9 @@ def test_the_table_gives_each_training_mode_its_ratio_to_ddp_and_the_process_cpu
     assert rows[by_name["ddp_commsched"].label][x_ddp] == "0.970"
     assert rows[by_name["ddp_default"].label][x_ddp] == "1.000"
     assert rows[by_name["compute_only"].label][x_ddp] == ""
-    assert rows[by_name["bound"].label][x_ddp] == ""
+    assert rows[by_name["floor"].label][x_ddp] == ""
+    efficiency = header.index("efficiency")
+    assert rows[by_name["ddp_default"].label][efficiency] == "0.800"     # 80 / 100
     assert rows[by_name["ddp_commsched"].label][cpu] == "72.5"
     note = header.index("note")
     assert rows[by_name["ddp_default"].label][note] == "1 of 2 rounds"

@@ -67,18 +67,18 @@ def test_a_harness_file_is_plotted_per_mode(tmp_path):
     assert out.stat().st_size > 1000
 
 
-def test_the_bound_row_has_no_spread(tmp_path):
-    """The bound is computed from two modes, with a median and no samples."""
-    bound = {"status": "ok", "label": "3 bound = max(1, 2)", "median_ms": 80.0,
+def test_the_floor_row_has_no_spread(tmp_path):
+    """The floor is computed from two modes, with a median and no samples."""
+    floor = {"status": "ok", "label": "3 floor = max(1, 2)", "median_ms": 80.0,
              "p10_ms": None, "p90_ms": None}
     ddp = {"status": "ok", "label": "4 DDP default", "median_ms": 90.0, "p10_ms": 88.0,
            "p90_ms": 95.0}
     document = {"launches": [{"runs": [{"regime": "host", "model": "gpt",
-                                         "modes": {"bound": bound, "ddp_default": ddp}}]}]}
+                                         "modes": {"floor": floor, "ddp_default": ddp}}]}]}
     path = tmp_path / "h.json"
     path.write_text(json.dumps(document))
     assert _module().panels([path]) == {("host", "gpt"): [
-        ("3 bound = max(1, 2)", 80.0, 80.0, 80.0), ("4 DDP default", 90.0, 88.0, 95.0)]}
+        ("3 floor = max(1, 2)", 80.0, 80.0, 80.0), ("4 DDP default", 90.0, 88.0, 95.0)]}
 
 
 def test_a_megatron_file_gives_a_panel_per_setting_with_the_rounds_range(tmp_path):

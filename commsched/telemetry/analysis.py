@@ -6,18 +6,25 @@ iteration
     With ``commsched.step()`` markers: from one marker to the next (iteration 0 starts when
     the recorder opened). Without markers: lane iteration k, timed from the flush of
     iteration k-1 to the flush of k of the lane with the most iterations.
-comm
+comm (communication busy time)
     Time at least one chunk step of the iteration was on the device: the union of the
     ``[t_start, t_end]`` intervals (chunks overlap under the credit window).
 exposed comm
-    Communication not hidden behind backward: from a lane's flush (its last gradient was
-    submitted, i.e. backward ended) to the completion of that lane iteration's last chunk,
-    the maximum over lanes. In commsched's overlap mode the next forward may run during that
-    time, so there it is an upper bound. On CUDA the flush is when the device got there (a
-    timed event recorded at the flush): where the host runs ahead of a busy GPU, the host
-    ends backward long before the device does.
+    Communication busy time after the end of backward: the union of the iteration's
+    chunk-step intervals, each lane iteration's clipped to start at its flush (its last
+    gradient was submitted, i.e. backward ended), at most the iteration's length. Compute
+    is not recorded; the device computes backward until the flush, so a collective that
+    ran before it ran beside backward, and one that runs after it is what the step waits
+    for before its optimizer step. In commsched's data-parallel mode the next forward may
+    run during that time, so there it is an upper bound. On CUDA the flush is when the
+    device got there (a timed event recorded at the flush): where the host runs ahead of
+    a busy GPU, the host ends backward long before the device does.
 compute
     iteration time - exposed comm.
+efficiency
+    floor / iteration time, where the run directory (or the directory above it) holds a
+    ``floor.json``: a ``commsched floor`` result or the benchmark harness's compute only
+    and comm only of the same workload; floor = max(compute only, comm only).
 overlap %
     ``100 * (1 - exposed / comm)``: the share of the communication hidden behind compute.
 link idle
@@ -28,12 +35,27 @@ link idle
 bus bandwidth
     Sum over chunk steps of ``bytes * factor(op, n)`` divided by comm time, with
     factor ``2(n-1)/n`` for all_reduce and ``(n-1)/n`` for reduce_scatter / all_gather.
+NVLink bytes
+    The NVLink DATA bytes the iteration's collectives put on the rank's links: each
+    increase of the counters between two samples goes to the collectives that ran on the
+    device in that interval, in proportion to what each should move in it (its expected
+    bytes, spread evenly over its device time); an increase while none ran goes to the
+    collectives that ended within 10 ms before (the counters lag the traffic), up to what
+    they are still short of, and otherwise to no iteration (the summary's "outside
+    collectives"). Samples are taken at host events and, where the host runs ahead, fall
+    anywhere in the device's timeline; an iteration is located by its collectives' device
+    intervals, never by a window between samples, so no byte is counted twice. Exact
+    where a sample falls between two iterations' collectives; where one falls inside a
+    collective, neighbours share that interval by their expected bytes.
+expected NVLink bytes
+    What the iteration's collectives should put on each rank's links in each direction,
+    run as rings: ``bytes * 2(n-1)/n`` per all-reduce, ``bytes * (n-1)/n`` per
+    reduce-scatter or all-gather (the bus bytes). Within one node; a ring across nodes
+    carries part of it over the network.
 NVLink GB/s
-    NVLink DATA bytes of the iteration, divided by comm time. With markers: between the
-    samples requested at its two ``step()`` boundaries (the first samples after each);
-    without: between the samples enclosing its communication window. Either way this is
-    the link throughput achieved while communicating; utilization divides it by the sum of
-    the active links' speeds (per direction).
+    NVLink bytes of the iteration divided by comm time: the link throughput achieved
+    while communicating; utilization divides it by the sum of the active links' speeds
+    (per direction).
 outlier
     iteration time > median + 3 * max(MAD, 1% of median) over the selected iterations.
 """
@@ -44,8 +66,10 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .metrics import (KIB, boundary_indices, bracket, median, merge_intervals, outlier_threshold,
-                      union_ns)
+from ..floor import floor_efficiency
+from .metrics import (KIB, attribute_increases, median, merge_intervals, outlier_threshold,
+                      ring_link_bytes, union_ns)
+from .sampler import ALL_LINKS
 from .store import RunData
 
 __all__ = ["DEFINITIONS", "RankData", "iteration_rows", "summarize", "find_outliers",
@@ -54,11 +78,15 @@ __all__ = ["DEFINITIONS", "RankData", "iteration_rows", "summarize", "find_outli
 DEFINITIONS = {
     "iteration": "between consecutive commsched.step() markers; without markers, between "
                  "consecutive flushes of the lane with most iterations",
-    "comm_ms": "union of the iteration's chunk-step device intervals",
-    "exposed_comm_ms": "from a lane's flush (end of backward; on CUDA when the device got "
-                       "there) to its last chunk completion; max over lanes (upper bound in "
-                       "overlap mode)",
+    "comm_ms": "communication busy time: union of the iteration's chunk-step device "
+               "intervals",
+    "exposed_comm_ms": "communication busy time after the end of backward: union of the "
+                       "chunk-step intervals clipped to start at their lane's flush (on CUDA "
+                       "when the device got there); at most iteration_ms (upper bound in the "
+                       "data-parallel mode)",
     "compute_ms": "iteration_ms - exposed_comm_ms",
+    "efficiency": "floor / iteration_ms, floor = max(compute only, comm only) from the run "
+                  "directory's floor.json (commsched floor --save, or the harness)",
     "overlap_pct": "100 * (1 - exposed_comm_ms / comm_ms)",
     "link_idle_ms": "time in the iteration with no collective of any lane on the device",
     "widest_gap_ms": "the longest such stretch; widest_gap_at_ms: its start after the "
@@ -73,8 +101,16 @@ DEFINITIONS = {
                            "behind other collectives)",
     "busbw_gbps": "sum(bytes * factor) / comm time; factor 2(n-1)/n all_reduce, (n-1)/n "
                   "reduce_scatter and all_gather",
-    "nvlink_tx_gbps": "NVLink DATA TX bytes between the samples taken at the iteration's "
-                      "boundaries (without step markers: enclosing its comm) / comm time",
+    "nvlink_tx_bytes": "NVLink DATA TX bytes the iteration's collectives put on the links: "
+                       "each counter increase split among the collectives on the device in "
+                       "its sample interval by their expected bytes",
+    "nvlink_expected_bytes": "what the iteration's collectives should put on each rank's "
+                             "links per direction as rings: bytes * 2(n-1)/n all_reduce, "
+                             "(n-1)/n reduce_scatter and all_gather",
+    "nvlink_tx_ratio": "nvlink_tx_bytes / nvlink_expected_bytes",
+    "nvlink_tx_gbps": "nvlink_tx_bytes / comm time",
+    "nvlink_tx_bytes_outside_collectives": "(summary, whole run) counter increases while no "
+                                           "recorded collective ran",
     "outlier": "iteration_ms > median + 3 * max(MAD, 1% of median)",
 }
 
@@ -102,6 +138,12 @@ class RankData:
     # comm_ops rows of the collectives that opened it and that ended it last), in time order
     busy: List[list] = field(default_factory=list)
     busy_starts: List[int] = field(default_factory=list)
+    # NVLink DATA bytes each lane iteration's collectives put on the links, per (link,
+    # direction) (see ``_attribute_links``): None where unknown; per link, TX only
+    link_shares: Dict[Tuple[int, str], Dict[Tuple[str, int], Optional[float]]] = \
+        field(default_factory=dict)
+    link_outside: Dict[Tuple[int, str], float] = field(default_factory=dict)
+    chunk_tx: Dict[int, Optional[float]] = field(default_factory=dict)   # id(row) -> bytes
 
     @classmethod
     def build(cls, run: RunData, rank: int) -> "RankData":
@@ -131,7 +173,51 @@ class RankData:
             (c["t_start_ns"], c["t_end_ns"], c) for c in run.rows("comm_ops", rank)
             if c["ok"] and c["t_start_ns"] is not None and c["t_end_ns"] is not None)
         data.busy_starts = [b[0] for b in data.busy]
+        data._attribute_links(run.rows("comm_ops", rank))
         return data
+
+    def _attribute_links(self, comm_ops: List[dict]) -> None:
+        """Give each collective its share of every NVLink counter's increases
+        (:func:`metrics.attribute_increases`, weighted by the bytes a ring puts on the links),
+        and sum the shares per lane iteration. An iteration's traffic is located by its
+        collectives' device intervals, never by a window between samples: where the host
+        runs ahead of the GPU, the samples it asks for at its own iteration boundaries fall
+        inside another iteration's communication on the device, so windows around one
+        iteration's communication overlap the next one's."""
+        ops = [c for c in comm_ops if c["ok"] and c["t_start_ns"] is not None
+               and c["t_end_ns"] is not None]
+        spans = [(c["t_start_ns"], c["t_end_ns"], expected_link_bytes(c) / KIB) for c in ops]
+        for link, times in self.sample_times.items():
+            for direction, series in (("tx", self.sample_tx), ("rx", self.sample_rx)):
+                if link != ALL_LINKS and direction == "rx":
+                    continue
+                # A link's share of a collective's bytes is not known beforehand: its
+                # lagging tail is found in the sums only.
+                shares, outside = attribute_increases(
+                    times, series[link], spans,
+                    **({} if link == ALL_LINKS else {"lag_ns": None}))
+                per: Dict[Tuple[str, int], Optional[float]] = {}
+                for c, share in zip(ops, shares):
+                    key = (c["lane"], c["iteration"])
+                    if key in per and per[key] is None:
+                        continue
+                    per[key] = None if share is None else per.get(key, 0.0) + share * KIB
+                    if link == ALL_LINKS and direction == "tx":
+                        self.chunk_tx[id(c)] = None if share is None else share * KIB
+                self.link_shares[(link, direction)] = per
+                self.link_outside[(link, direction)] = outside * KIB
+
+    def nvlink_bytes(self, link: int, direction: str,
+                     lane_iterations: List[Tuple[str, int]]) -> Optional[int]:
+        """NVLink DATA bytes the collectives of ``lane_iterations`` put on ``link`` (-1:
+        all) in ``direction``; None where not sampled, or no collective ran."""
+        per = self.link_shares.get((link, direction))
+        if per is None:
+            return None
+        shares = [per[key] for key in lane_iterations if key in per]
+        if not shares or any(v is None for v in shares):
+            return None
+        return int(round(sum(shares)))
 
     def link_gaps(self, t0: int, t1: int) -> Tuple[int, Optional[tuple], List[int]]:
         """Link idle time in [t0, t1] (no collective on the device); its widest gap, as
@@ -158,24 +244,6 @@ class RankData:
             cursor, after = min(nxt[1], t1), nxt[3]
             j += 1
         return idle, widest, split
-
-    def link_bytes(self, link: int, t0: int, t1: int, at_boundaries: bool = False
-                   ) -> Tuple[Optional[int], Optional[int]]:
-        """NVLink DATA (tx, rx) bytes on ``link`` in [t0, t1]: between the samples enclosing
-        the window (:func:`metrics.bracket`), or with ``at_boundaries`` between the samples
-        requested at t0 and t1, i.e. the first ones at or after each
-        (:func:`metrics.boundary_indices`)."""
-        times = self.sample_times.get(link, [])
-        ij = boundary_indices(times, t0, t1) if at_boundaries else bracket(times, t0, t1)
-        if ij is None:
-            return None, None
-        i, j = ij
-
-        def delta(values):
-            a, b = values[i], values[j]
-            # None: not sampled; b < a: the counter was reset, the window is unknown.
-            return None if a is None or b is None or b < a else int((b - a) * KIB)
-        return delta(self.sample_tx[link]), delta(self.sample_rx[link])
 
     def health_changes(self, t0: int, t1: int) -> List[str]:
         """Link state, speed or error-counter changes between the health samples enclosing
@@ -259,38 +327,38 @@ def _first_time(members: List[dict]) -> int:
     return min((m["t_first_submit_ns"] or 0) for m in members)
 
 
-def iteration_rows(data: RankData) -> List[dict]:
-    """One row per application iteration of one rank (see the module's definitions)."""
+def iteration_rows(data: RankData, floor: Optional[dict] = None) -> List[dict]:
+    """One row per application iteration of one rank (see the module's definitions);
+    ``floor``: a ``commsched floor`` result (``load_floor``) for the efficiency column."""
     rows = []
     for k, t0, t1, members in _windows(data):
         chunks = [c for m in members for c in data.chunks_by_lane_iter.get(
             (m["lane"], m["iteration"]), [])]
         intervals = [(c["t_start_ns"], c["t_end_ns"]) for c in chunks if c["ok"]]
         comm_ns = union_ns(intervals)
-        exposed = [m["exposed_comm_ns"] for m in members if m["exposed_comm_ns"] is not None]
-        # No lane iteration flushed in this window: nothing communicated, nothing exposed.
-        exposed_ns = max(exposed) if exposed else (None if members else 0)
-        bus_bytes = sum(m["bus_bytes"] or 0.0 for m in members)
+        exposed_ns = _exposed_ns(data, members)
         iter_ns = (t1 - t0) if t1 is not None else None
         if exposed_ns is not None and iter_ns is not None:
             # Communication that runs on past the next iteration's start is exposed in
             # that iteration, not beyond this one's length (compute would go negative).
             exposed_ns = min(exposed_ns, iter_ns)
-        # NVLink window: the application iteration, or (without markers) its communication.
+        # What the iteration's collectives should put on each rank's links, and what the
+        # counters credit them with (their share of every increase, by device interval).
+        expected = sum(expected_link_bytes(c) for c in chunks if c["ok"])
+        keys = [(m["lane"], m["iteration"]) for m in members]
+        tx = data.nvlink_bytes(ALL_LINKS, "tx", keys)
+        rx = data.nvlink_bytes(ALL_LINKS, "rx", keys)
+        links = {link: data.nvlink_bytes(link, "tx", keys)
+                 for link, direction in data.link_shares if link >= 0 and direction == "tx"}
+        tx_gbps = tx / comm_ns if tx is not None and comm_ns else None
+        # Link health: over the application iteration, or (without markers) its
+        # communication.
         if data.steps:
             w0, w1 = t0, t1
         elif intervals:
             w0, w1 = min(a for a, _ in intervals), max(b for _, b in intervals)
         else:
             w0 = w1 = None
-        marked = bool(data.steps)
-        tx, rx = data.link_bytes(-1, w0, w1, marked) if w0 is not None else (None, None)
-        links = {}
-        if w0 is not None:
-            for link in data.sample_times:
-                if link >= 0:
-                    links[link] = data.link_bytes(link, w0, w1, marked)[0]
-        tx_gbps = tx / comm_ns if tx is not None and comm_ns else None
         idle_ns, gap, split = (data.link_gaps(t0, t1) if t1 is not None
                                else (None, None, [None] * 3))
         rows.append({
@@ -301,6 +369,9 @@ def iteration_rows(data: RankData) -> List[dict]:
             "comm_ms": _ms(comm_ns), "exposed_comm_ms": _ms(exposed_ns),
             "overlap_pct": (max(0.0, min(100.0, 100.0 * (1 - exposed_ns / comm_ns)))
                             if comm_ns and exposed_ns is not None else None),
+            "efficiency": (floor_efficiency(floor["compute_only_ms"], floor["comm_only_ms"],
+                                            _ms(iter_ns))["efficiency"]
+                           if floor and iter_ns else None),
             "link_idle_ms": _ms(idle_ns),
             "widest_gap_ms": _ms(gap[1] - gap[0]) if gap else None,
             "widest_gap_at_ms": _ms(gap[0] - t0) if gap else None,
@@ -312,8 +383,10 @@ def iteration_rows(data: RankData) -> List[dict]:
             "chunk_steps": len(chunks),
             "lane_iterations": [f"{m['lane']}:{m['iteration']}" for m in members],
             "complete": all(m["complete"] for m in members),
-            "busbw_gbps": bus_bytes / comm_ns if comm_ns else None,
+            "busbw_gbps": expected / comm_ns if comm_ns else None,
+            "nvlink_expected_bytes": expected if chunks else None,
             "nvlink_tx_bytes": tx, "nvlink_rx_bytes": rx,
+            "nvlink_tx_ratio": tx / expected if tx is not None and expected else None,
             "nvlink_tx_gbps": tx_gbps,
             "nvlink_rx_gbps": rx / comm_ns if rx is not None and comm_ns else None,
             "nvlink_util": tx_gbps / data.speed_gbps if tx_gbps and data.speed_gbps else None,
@@ -321,6 +394,31 @@ def iteration_rows(data: RankData) -> List[dict]:
             "health": data.health_changes(w0, w1) if w0 is not None else [],
         })
     return rows
+
+
+def _exposed_ns(data: RankData, members: List[dict]) -> Optional[int]:
+    """Communication busy time after the end of backward: the union over the iteration's
+    lane iterations of their collectives' device intervals clipped to start at that lane
+    iteration's flush (on CUDA where the device got there). None when no lane iteration
+    has a flush; 0 when none flushed in the window."""
+    clipped = []
+    flushed = False
+    for m in members:
+        if m["t_flush_ns"] is None:
+            continue
+        flushed = True
+        for c in data.chunks_by_lane_iter.get((m["lane"], m["iteration"]), []):
+            if c["ok"] and c["t_end_ns"] is not None and c["t_end_ns"] > m["t_flush_ns"]:
+                clipped.append((max(c["t_start_ns"], m["t_flush_ns"]), c["t_end_ns"]))
+    if not flushed:
+        return None if members else 0
+    return union_ns(clipped)
+
+
+def expected_link_bytes(c: dict) -> float:
+    """What a collective step (a ``comm_ops`` row) should put on each rank's links, in
+    each direction, run as a ring (:func:`metrics.ring_link_bytes`)."""
+    return ring_link_bytes(c["step"], c["nbytes"], c["group_size"])
 
 
 def _ms(ns: Optional[float]) -> Optional[float]:
@@ -345,8 +443,19 @@ def summarize(rows: List[dict]) -> dict:
         "bytes_total": sum(r["bytes"] for r in rows),
         "nvlink_tx_bytes_total": (None if all(r["nvlink_tx_bytes"] is None for r in rows)
                                   else sum(r["nvlink_tx_bytes"] or 0 for r in rows)),
+        "nvlink_expected_bytes_total": sum(r["nvlink_expected_bytes"] or 0 for r in rows),
+        "nvlink_tx_ratio_median": med("nvlink_tx_ratio"),
+        "nvlink_tx_ratio_total": _total_ratio(rows),
         "incomplete_iterations": sum(1 for r in rows if not r["complete"]),
     }
+
+
+def _total_ratio(rows: List[dict]) -> Optional[float]:
+    """Counted over expected NVLink TX bytes, summed over the iterations where both are
+    known."""
+    known = [r for r in rows if r["nvlink_tx_bytes"] is not None and r["nvlink_expected_bytes"]]
+    expected = sum(r["nvlink_expected_bytes"] for r in known)
+    return sum(r["nvlink_tx_bytes"] for r in known) / expected if expected else None
 
 
 def _usual_gap(rows: List[dict]) -> Optional[dict]:
@@ -444,19 +553,29 @@ def _attribute(row: dict, threshold: float, base: dict, base_shares: Dict[int, f
 
 
 def analyze(run: RunData, iterations: Optional[Tuple[Optional[int], Optional[int]]] = None,
-            ranks: Optional[List[int]] = None) -> dict:
-    """Rows, summaries and outliers of every rank (``iterations``: ``[a, b)`` filter)."""
-    out = {"rows": [], "summary": {}, "outliers": [], "runs": run.runs,
+            ranks: Optional[List[int]] = None, floor: Optional[dict] = None) -> dict:
+    """Rows, summaries and outliers of every rank (``iterations``: ``[a, b)`` filter);
+    ``floor``: a ``commsched floor`` result for the efficiency columns."""
+    out = {"rows": [], "summary": {}, "outliers": [], "runs": run.runs, "floor": floor,
            "definitions": DEFINITIONS}
     for rank in run.ranks:
         if ranks is not None and rank not in ranks:
             continue
-        rows = iteration_rows(RankData.build(run, rank))
+        data = RankData.build(run, rank)
+        rows = iteration_rows(data, floor)
         if iterations is not None:
             a, b = iterations
             rows = [r for r in rows if (a is None or r["iteration"] >= a)
                     and (b is None or r["iteration"] < b)]
         out["rows"] += rows
-        out["summary"][rank] = summarize(rows)
+        summary = out["summary"][rank] = summarize(rows)
+        # (over the whole run, whatever the --iterations selection)
+        summary["nvlink_tx_bytes_outside_collectives"] = (
+            int(data.link_outside[(ALL_LINKS, "tx")])
+            if (ALL_LINKS, "tx") in data.link_outside else None)
+        summary["efficiency_median"] = (
+            floor_efficiency(floor["compute_only_ms"], floor["comm_only_ms"],
+                             summary["iteration_ms_median"])["efficiency"]
+            if floor and summary["iteration_ms_median"] else None)
         out["outliers"] += find_outliers(rows)
     return out

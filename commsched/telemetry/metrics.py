@@ -12,8 +12,9 @@ import statistics
 from typing import Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
-    "bus_factor", "algbw_gbps", "busbw_gbps", "union_ns", "merge_intervals", "value_at",
-    "delta_interpolated", "bracket", "boundary_indices", "median", "mad", "outlier_threshold", "KIB",
+    "bus_factor", "ring_link_bytes", "algbw_gbps", "busbw_gbps", "union_ns", "merge_intervals",
+    "attribute_increases", "boundary_indices", "median", "mad", "outlier_threshold", "KIB",
+    "COUNTER_LAG_NS",
 ]
 
 KIB = 1024
@@ -37,6 +38,15 @@ def bus_factor(op: str, group_size: int) -> float:
     if op in ("reduce_scatter", "all_gather"):
         return (n - 1) / n
     return 1.0
+
+
+def ring_link_bytes(op: str, nbytes: int, group_size: int) -> float:
+    """Bytes a collective of ``nbytes`` puts on each rank's links in each direction when it
+    runs as a ring: ``nbytes * bus_factor(op, n)`` (an all-reduce 2(n-1)/n of its bytes,
+    reduce-scatter and all-gather (n-1)/n). What a rank's NVLink DATA counters should
+    show for it inside one node; a ring that leaves the node carries part of it over the
+    network instead."""
+    return nbytes * bus_factor(op, group_size)
 
 
 def algbw_gbps(nbytes: int, duration_ns: int) -> Optional[float]:
@@ -81,55 +91,90 @@ def merge_intervals(spans: Iterable[Tuple[int, int, object]]) -> List[list]:
 # --- cumulative counters -------------------------------------------------------------------
 # ``times`` is sorted ascending and ``values`` holds the counter read at each time.
 
-def value_at(times: Sequence[int], values: Sequence[float], t: int) -> Optional[float]:
-    """The counter at time ``t``, linearly interpolated between the samples around it.
+# NVML's NVLink counters lag the traffic by about a millisecond (read right after a
+# synchronize, they may miss the tail of an all-reduce): an increase between two samples
+# that no collective overlaps, starting this soon after collectives ended, may hold their
+# tail.
+COUNTER_LAG_NS = 10 * 10**6
 
-    None outside the sampled range: a counter is never extrapolated.
+
+def attribute_increases(times: Sequence[int], values: Sequence[Optional[float]],
+                        spans: Sequence[Tuple[int, int, float]],
+                        lag_ns: Optional[int] = COUNTER_LAG_NS
+                        ) -> Tuple[List[Optional[float]], float]:
+    """Split a cumulative counter's increases among the ``spans`` that caused them.
+
+    ``spans`` are ``(start, end, weight)``: an operation on the device and what it is
+    expected to add to the counter (a collective's link bytes, in the counter's unit),
+    taken to be added evenly over ``[start, end]``. The increase between two consecutive
+    samples goes to the spans that overlap that interval, each in proportion to the part of
+    its weight inside it. An increase that no span overlaps goes to none, except that the
+    spans that ended within ``lag_ns`` before the interval began take from it what they
+    are still short of their weight (the counters' lagging tail; ``lag_ns`` None: none
+    do, for weights that are not in the counter's unit). So every increase is
+    counted once: the shares of all spans plus what went to none is the counter's increase
+    over the sampled range, however the samples fall relative to the operations. Where a
+    sample falls between neighbouring operations the split there is exact; where it falls
+    inside one, the operations on either side share the interval by their weights.
+
+    Returns the share of each span (None where part of it lies outside the sampled range,
+    or in an interval whose increase is unknown: a None value, or the counter went back)
+    and the increase that went to none.
+
+    Example::
+
+        shares, other = attribute_increases([0, 10, 20], [0, 30, 30], [(0, 10, 5.0)])
+        # shares == [30.0], other == 0.0
     """
-    if not times or t < times[0] or t > times[-1]:
-        return None
-    i = bisect.bisect_left(times, t)
-    if times[i] == t:
-        return float(values[i])
-    t0, t1 = times[i - 1], times[i]
-    v0, v1 = values[i - 1], values[i]
-    return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
-
-
-def delta_interpolated(times: Sequence[int], values: Sequence[float],
-                       t0: int, t1: int) -> Optional[float]:
-    """Counter increase while an operation ran in ``[t0, t1]``, interpolating between samples.
-
-    This is OSU INAM's correlation of an operation with its links: traffic between two samples
-    is assumed uniform in time, so an operation is credited with the share of each sample
-    interval it overlaps. Exact when samples were taken at ``t0`` and ``t1``.
-    """
-    a, b = value_at(times, values, t0), value_at(times, values, t1)
-    if a is None or b is None:
-        return None
-    return max(b - a, 0.0)
-
-
-def bracket(times: Sequence[int], t0: int, t1: int) -> Optional[Tuple[int, int]]:
-    """Indices ``(i, j)`` of the last sample at or before ``t0`` and the first at or after
-    ``t1``: the samples enclosing the window.
-
-    Unlike :func:`delta_interpolated`, a counter difference between enclosing samples never
-    undercounts the window: every byte that moved in ``[t0, t1]`` is included, plus whatever
-    else moved between the enclosing samples. The recorder asks for a sample when an
-    iteration's communication ends so that the enclosing samples are close to the window.
-    When nothing was sampled before ``t0`` the first sample is used (the window then starts
-    late); None when no sample at or after ``t1`` exists yet.
-    """
-    if not times:
-        return None
-    j = bisect.bisect_left(times, t1)
-    if j >= len(times):
-        return None
-    i = max(bisect.bisect_right(times, t0) - 1, 0)
-    if i > j:
-        return None
-    return i, j
+    n = len(times)
+    shares: List[Optional[float]] = [0.0] * len(spans)
+    if n < 2:
+        return [None] * len(spans), 0.0
+    weight_in = [0.0] * (n - 1)                 # per interval: weights falling inside it
+    parts: List[List[Tuple[int, float]]] = [[] for _ in range(n - 1)]
+    for s, (start, end, weight) in enumerate(spans):
+        if start < times[0] or end > times[-1] or end < start:
+            shares[s] = None
+            continue
+        first = min(bisect.bisect_right(times, start) - 1, n - 2)
+        last = max(bisect.bisect_left(times, end) - 1, first)
+        for k in range(first, last + 1):
+            if end > start:
+                inside = min(end, times[k + 1]) - max(start, times[k])
+                w = weight * max(inside, 0) / (end - start)
+            else:
+                w = float(weight)
+            parts[k].append((s, w))
+            weight_in[k] += w
+    ends = sorted((end, s) for s, (_, end, _) in enumerate(spans) if shares[s] is not None)
+    end_times = [e for e, _ in ends]
+    unattributed = 0.0
+    for k in range(n - 1):
+        a, b = values[k], values[k + 1]
+        delta = None if a is None or b is None or b < a else float(b - a)
+        if delta is None:
+            for s, _ in parts[k]:
+                shares[s] = None
+            continue
+        if weight_in[k] > 0:
+            for s, w in parts[k]:
+                if shares[s] is not None:
+                    shares[s] += delta * w / weight_in[k]
+            continue
+        if delta == 0 or lag_ns is None:
+            unattributed += delta
+            continue
+        # (every interval of a span that ended by times[k] has been split already)
+        lo = bisect.bisect_left(end_times, times[k] - lag_ns)
+        hi = bisect.bisect_right(end_times, times[k])
+        short = {s: spans[s][2] - shares[s] for _, s in ends[lo:hi]
+                 if shares[s] is not None and spans[s][2] > shares[s]}
+        missing = sum(short.values())
+        given = min(delta, missing)
+        for s, gap in short.items():
+            shares[s] += given * gap / missing
+        unattributed += delta - given
+    return shares, unattributed
 
 
 def boundary_indices(times: Sequence[int], t0: int, t1: int) -> Optional[Tuple[int, int]]:

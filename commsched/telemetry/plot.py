@@ -1,4 +1,5 @@
-"""``commsched report --plot``: a compute-vs-comm timeline and NVLink GB/s per iteration.
+"""``commsched report --plot``: a compute-vs-comm timeline, NVLink GB/s per iteration, and
+each iteration's compute and exposed communication stacked against the floor.
 
 matplotlib is imported here only (Agg backend, no display needed), so the report and the
 recorder work without it.
@@ -31,6 +32,37 @@ def _timeline_iterations(report: dict) -> List[int]:
     return its[-MAX_TIMELINE_ITERATIONS:]
 
 
+def _floor_bars(ax, report: dict, ranks: List[int]) -> None:
+    """Per iteration and rank, a bar of compute (iteration time less exposed
+    communication) with the exposed communication on top, and the floor as a line."""
+    width = 0.8 / max(len(ranks), 1)
+    for n, rank in enumerate(ranks):
+        rows = [r for r in report["rows"] if r["rank"] == rank and r["iteration_ms"] is not None
+                and r["compute_ms"] is not None]
+        xs = [r["iteration"] + (n - (len(ranks) - 1) / 2) * width for r in rows]
+        compute = [r["compute_ms"] for r in rows]
+        exposed = [r["exposed_comm_ms"] or 0.0 for r in rows]
+        ax.bar(xs, compute, width, color="tab:green", alpha=0.6 + 0.4 * (n == 0),
+               label="compute (iteration - exposed comm)" if n == 0 else None)
+        ax.bar(xs, exposed, width, bottom=compute, color="tab:red",
+               alpha=0.6 + 0.4 * (n == 0), label="exposed comm" if n == 0 else None)
+    floor = report.get("floor")
+    if floor:
+        ax.axhline(floor["floor_ms"], color="black", linestyle="--",
+                   label=f"floor {floor['floor_ms']:.2f} ms (limited by "
+                         f"{floor['limited_by'].replace('_', ' ')})")
+        title = "compute and exposed communication per iteration, against the floor"
+    else:
+        title = ("compute and exposed communication per iteration (no floor: commsched "
+                 "floor --save RUN_DIR)")
+    ax.set_title(title)
+    ax.set_xlabel("iteration" + (f" (bars: ranks {', '.join(map(str, ranks))})"
+                                 if len(ranks) > 1 else ""))
+    ax.set_ylabel("ms")
+    if ax.patches:
+        ax.legend(fontsize=7)
+
+
 def plot_report(run: RunData, report: dict, path: str) -> None:
     if os.path.isdir(path):     # savefig would write PATH.png next to it instead
         raise TelemetryError(f"cannot write the plot {path}: it is a directory")
@@ -41,8 +73,8 @@ def plot_report(run: RunData, report: dict, path: str) -> None:
     except ImportError as exc:
         raise TelemetryError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
 
-    fig, (ax_t, ax_bw) = plt.subplots(2, 1, figsize=(12, 7.5),
-                                      gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax_t, ax_bw, ax_f) = plt.subplots(3, 1, figsize=(12, 10.5),
+                                            gridspec_kw={"height_ratios": [3, 2, 2]})
     chosen = set(_timeline_iterations(report))
     rows = [r for r in report["rows"] if r["iteration"] in chosen and r["t_end_ns"] is not None]
     lane_its: Dict[Tuple[int, str, int], dict] = {
@@ -94,6 +126,7 @@ def plot_report(run: RunData, report: dict, path: str) -> None:
         ax_bw.legend(fontsize=7, ncol=3)
     ax_bw.set_xlabel("iteration (red lines: outliers)")
     ax_bw.set_ylabel("GB/s while communicating")
+    _floor_bars(ax_f, report, ranks)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

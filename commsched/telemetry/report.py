@@ -1,8 +1,10 @@
 """``commsched report RUN_DIR [--json] [--plot out.png] [--iterations A:B] [--rank R]``.
 
-Prints, per rank, one row per iteration (time, compute, comm, exposed comm, overlap, bytes,
-bus bandwidth, NVLink GB/s), a summary, and the outlier iterations with their likely cause
-(application, communication library, hardware). The definitions are in
+Prints, per rank, one row per iteration (time, compute, communication busy time, exposed
+communication, overlap, efficiency against the floor where the run directory holds one,
+bytes, bus bandwidth, the NVLink bytes the iteration's collectives put on the links beside
+what they should, NVLink GB/s), a summary, and the outlier iterations with their likely
+cause (application, communication library, hardware). The definitions are in
 :mod:`commsched.telemetry.analysis`.
 """
 
@@ -13,6 +15,7 @@ import json
 import sys
 from typing import List, Optional, Tuple
 
+from ..floor import load_floor
 from .analysis import DEFINITIONS, analyze
 from .errors import TelemetryError
 from .store import RunData, load_run
@@ -46,7 +49,9 @@ def build_report(run_dir: str, iterations=None, ranks=None) -> dict:
 
 
 def report_from_run(run: RunData, iterations=None, ranks=None) -> dict:
-    result = analyze(run, iterations, ranks)
+    floor, note = load_floor(run.run_dir)
+    result = analyze(run, iterations, ranks, floor)
+    result["floor_note"] = note
     result["run_dir"] = run.run_dir
     result["summary"] = {str(k): v for k, v in result["summary"].items()}
     for r in result["rows"]:
@@ -77,9 +82,10 @@ def format_text(report: dict) -> str:
             f", nccl {r['nccl_version'] or '-'}, driver {r['driver_version'] or '-'}, "
             f"GPU {r['gpu_name'] or '-'}; NVML: {r['nvml_status']}"
             + (f" ({r['nvml_detail']})" if r.get("nvml_detail") else ""))
-    header = (f"{'iter':>6} {'iter ms':>9} {'compute':>9} {'comm ms':>9} {'exposed':>9} "
-              f"{'overlap%':>9} {'idle ms':>9} {'gap ms':>9} {'MB':>9} {'busbw':>9} "
-              f"{'NVL tx':>9} {'NVL rx':>9} {'util%':>7}")
+    header = (f"{'iter':>6} {'iter ms':>9} {'compute':>9} {'comm busy':>9} {'exposed':>9} "
+              f"{'overlap%':>9} {'eff%':>6} {'idle ms':>9} {'gap ms':>9} {'MB':>9} "
+              f"{'busbw':>9} {'NVL MB':>9} {'exp MB':>9} {'NVL/exp':>7} {'NVL tx':>9} "
+              f"{'NVL rx':>9} {'util%':>7}")
     for rank, summary in report["summary"].items():
         rows = [r for r in report["rows"] if str(r["rank"]) == rank]
         lines += ["", f"rank {rank}: per iteration (GB/s for bandwidths)", header]
@@ -87,9 +93,12 @@ def format_text(report: dict) -> str:
             lines.append(
                 f"{r['iteration']:>6} {_fmt(r['iteration_ms'])} {_fmt(r['compute_ms'])} "
                 f"{_fmt(r['comm_ms'])} {_fmt(r['exposed_comm_ms'])} "
-                f"{_fmt(r['overlap_pct'], '.1f')} {_fmt(r['link_idle_ms'])} "
+                f"{_fmt(r['overlap_pct'], '.1f')} {_fmt(_pct(r['efficiency']), '.1f', 6)} "
+                f"{_fmt(r['link_idle_ms'])} "
                 f"{_fmt(r['widest_gap_ms'])} {_fmt(r['bytes'] / 1e6)} "
-                f"{_fmt(r['busbw_gbps'])} {_fmt(r['nvlink_tx_gbps'])} "
+                f"{_fmt(r['busbw_gbps'])} {_fmt(_mb(r['nvlink_tx_bytes']))} "
+                f"{_fmt(_mb(r['nvlink_expected_bytes']))} "
+                f"{_fmt(r['nvlink_tx_ratio'], '.3f', 7)} {_fmt(r['nvlink_tx_gbps'])} "
                 f"{_fmt(r['nvlink_rx_gbps'])} "
                 f"{_fmt(None if r['nvlink_util'] is None else 100 * r['nvlink_util'], '.1f', 7)}"
                 + ("" if r["complete"] else "  (incomplete)"))
@@ -97,7 +106,7 @@ def format_text(report: dict) -> str:
         lines.append(
             f"summary: {s['iterations']} iterations; median iteration "
             f"{_fmt(s['iteration_ms_median'], '.2f', 0)} ms, compute "
-            f"{_fmt(s['compute_ms_median'], '.2f', 0)} ms, comm "
+            f"{_fmt(s['compute_ms_median'], '.2f', 0)} ms, comm busy "
             f"{_fmt(s['comm_ms_median'], '.2f', 0)} ms, exposed "
             f"{_fmt(s['exposed_comm_ms_median'], '.2f', 0)} ms, overlap "
             f"{_fmt(s['overlap_pct_median'], '.1f', 0)}%, busbw "
@@ -117,11 +126,34 @@ def format_text(report: dict) -> str:
                 f"widest gap median {_fmt(s['widest_gap_ms_median'], '.2f', 0)} ms; "
                 f"in {gap['iterations']} of {gap['of']} iterations the widest gap came after "
                 f"{gap['after'] or 'the start'} and before {gap['before'] or 'the end'}")
+        if s["nvlink_tx_bytes_total"]:
+            outside = s["nvlink_tx_bytes_outside_collectives"]
+            lines.append(
+                f"NVLink TX: {s['nvlink_tx_bytes_total'] / 1e6:.1f} MB put on the links by "
+                f"these iterations' collectives, {s['nvlink_expected_bytes_total'] / 1e6:.1f} "
+                f"MB expected (ring share of their bytes): "
+                f"{_fmt(s['nvlink_tx_ratio_total'], '.3f', 0)}x in total, "
+                f"{_fmt(s['nvlink_tx_ratio_median'], '.3f', 0)}x median per iteration"
+                + (f"; {outside / 1e6:.1f} MB over the run while no collective ran"
+                   if outside else ""))
         if s["nvlink_tx_bytes_total"] == 0 and s["bytes_total"] > 0:
             lines.append("note: NVLink sent nothing while the collectives moved "
                          f"{s['bytes_total'] / 1e6:.1f} MB: their traffic took another path "
                          "(NCCL_P2P_DISABLE=1 or host shared memory, PCIe, the network), "
                          "so NVLink GB/s reads 0")
+    floor = report.get("floor")
+    if floor:
+        lines += ["", f"floor {floor['floor_ms']:.2f} ms = max(compute only "
+                      f"{floor['compute_only_ms']:.2f}, comm only {floor['comm_only_ms']:.2f}), "
+                      f"limited by {floor['limited_by'].replace('_', ' ')}; from "
+                      f"{report['floor_note']}"]
+        for rank, s in report["summary"].items():
+            if s["efficiency_median"] is not None:
+                lines.append(f"rank {rank}: efficiency {100 * s['efficiency_median']:.1f}% "
+                             f"(floor / median iteration "
+                             f"{s['iteration_ms_median']:.2f} ms)")
+    else:
+        lines += ["", f"efficiency: {report.get('floor_note', 'no floor')}"]
     lines += ["", f"outliers ({DEFINITIONS['outlier']}): {len(report['outliers'])}"]
     for o in report["outliers"]:
         lines.append(f"  rank {o['rank']} iteration {o['iteration']}: {o['iteration_ms']:.2f} ms"
@@ -131,6 +163,14 @@ def format_text(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _pct(fraction: Optional[float]) -> Optional[float]:
+    return None if fraction is None else 100 * fraction
+
+
+def _mb(nbytes: Optional[float]) -> Optional[float]:
+    return None if nbytes is None else nbytes / 1e6
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Per-iteration communication report of a commsched telemetry "
@@ -138,7 +178,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the COMMSCHED_TELEMETRY_DIR of the run")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="OUT.png",
-                   help="draw a compute-vs-comm timeline and NVLink GB/s per iteration")
+                   help="draw a compute-vs-comm timeline, NVLink GB/s per iteration, and "
+                        "each iteration's compute and exposed communication against the floor")
     p.add_argument("--iterations", metavar="A:B", type=parse_range,
                    help="only iterations A <= i < B (A:, :B and a single A also work)")
     p.add_argument("--rank", type=int, action="append",

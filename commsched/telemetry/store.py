@@ -10,8 +10,8 @@ nvlink_metrics     cumulative NVLink counters (KiB) per sample per link; link -1
 nvlink_health      per-link state, speed and error counters, sampled about once a second
 comm_ops           one row per ChunkRecord, with algorithm and bus bandwidth
 iterations         one row per lane iteration: flush, communication window, exposed comm,
-                   bytes, and NVLink bytes/GB/s over the iteration's communication
-iteration_links    NVLink bytes and GB/s per lane iteration, link and direction
+                   bytes (its NVLink columns stay empty: the report computes them)
+iteration_links    (left empty, see iterations)
 app_steps          application iteration markers (``commsched.step()``)
 tuning             the autotuner's decisions (``Scheduler.tuning_log``); created by the
                    first one, so absent from runs without ``COMMSCHED_AUTOTUNE=1``

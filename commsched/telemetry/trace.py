@@ -10,10 +10,15 @@ nanosecond detail), measured from the earliest event of the run (its absolute
 * per lane, thread "lane g0 iterations": the submit window (first submission -> flush)
   and the exposed communication (flush -> last chunk completion) of each iteration;
 * per lane, threads "lane g0 comm #k": one complete ("X") slice per chunk step, args bytes,
-  op, step, priority, busbw; slices that overlap in time (several chunks in flight under the
-  credit window) go to separate threads, because slices on one thread must nest;
+  op, step, priority, busbw, and the NVLink DATA TX bytes it put on the links (its share
+  of the counters, see ``analysis``) beside what a ring should put there; slices that
+  overlap in time (several chunks in flight under the credit window) go to separate
+  threads, because slices on one thread must nest;
 * counters ("C"): "NVLink GB/s" (tx/rx summed over links) and, when sampled per link,
-  "NVLink link L GB/s", each the rate between consecutive samples.
+  "NVLink link L GB/s", each the rate between consecutive samples; per application
+  iteration, from its start, "NVLink TX MB per iteration" (counted and expected),
+  "communication ms per iteration" (busy, exposed) and, where the run directory holds a
+  floor (``floor.json``), "efficiency" (floor / iteration time).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Tuple
 
-from .analysis import RankData, iteration_rows
+from ..floor import load_floor
+from .analysis import RankData, expected_link_bytes, iteration_rows
 from .errors import TelemetryError
-from .metrics import KIB, delta_interpolated
+from .metrics import KIB
 from .store import RunData, load_run
 
 __all__ = ["build_trace", "main", "trace_main"]
@@ -78,8 +84,9 @@ class _Builder:
         self.events.append({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": self.us(t),
                             "pid": pid, "tid": tid})
 
-    def counter(self, pid: int, name: str, t: int, values: Dict[str, float]) -> None:
-        self.events.append({"name": name, "cat": "nvlink", "ph": "C", "ts": self.us(t),
+    def counter(self, pid: int, name: str, t: int, values: Dict[str, float],
+                cat: str = "nvlink") -> None:
+        self.events.append({"name": name, "cat": cat, "ph": "C", "ts": self.us(t),
                             "pid": pid, "tid": 0, "args": values})
 
 
@@ -89,28 +96,36 @@ def build_trace(run: RunData) -> dict:
     starts += [c["t_submit_ns"] for c in run.comm_ops]
     t0 = min(starts) if starts else 0
     b = _Builder(t0)
+    floor, _ = load_floor(run.run_dir)
     for info in run.runs:
         rank = info["rank"]
         gpu = f", GPU {info['gpu_index']} {info['gpu_name']}" if info.get("gpu_name") else ""
         b.meta(rank, 0, "process_name", f"rank {rank} ({info['host']}{gpu})")
         b.meta(rank, 0, "process_sort_index", rank)
         data = RankData.build(run, rank)
-        _app_track(b, data)
+        rows = iteration_rows(data, floor)
+        _app_track(b, data, rows)
         _lane_tracks(b, run, data)
         _counters(b, data)
+        _iteration_counters(b, data.rank, rows)
     return {"traceEvents": b.events, "displayTimeUnit": "ms",
             "otherData": {"producer": "commsched trace", "run_dir": run.run_dir,
                           "t0_ns": t0}}
 
 
-def _app_track(b: _Builder, data: RankData) -> None:
+# The report's columns that each application iteration's slice carries.
+_ITERATION_ARGS = ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "overlap_pct",
+                   "efficiency", "bytes", "busbw_gbps", "nvlink_tx_gbps", "nvlink_tx_bytes",
+                   "nvlink_expected_bytes", "nvlink_tx_ratio")
+
+
+def _app_track(b: _Builder, data: RankData, rows: List[dict]) -> None:
     b.meta(data.rank, _APP_TID, "thread_name", "application iterations")
     b.meta(data.rank, _APP_TID, "thread_sort_index", _APP_TID)
-    for row in iteration_rows(data):
+    for row in rows:
         if row["t_end_ns"] is None:
             continue
-        args = {k: row[k] for k in ("iteration_ms", "compute_ms", "comm_ms", "exposed_comm_ms",
-                                    "overlap_pct", "bytes", "busbw_gbps", "nvlink_tx_gbps")}
+        args = {k: row[k] for k in _ITERATION_ARGS}
         b.slice(data.rank, _APP_TID, f"iteration {row['iteration']}", row["t_begin_ns"],
                 row["t_end_ns"], "iteration", args)
 
@@ -118,10 +133,6 @@ def _app_track(b: _Builder, data: RankData) -> None:
 def _lane_tracks(b: _Builder, run: RunData, data: RankData) -> None:
     lanes = sorted({i["lane"] for i in data.lane_iterations}
                    | {lane for lane, _ in data.chunks_by_lane_iter})
-    # Link-sum TX series for crediting each chunk with the bytes that moved while it ran.
-    known = [(t, v) for t, v in zip(data.sample_times.get(-1, []), data.sample_tx.get(-1, []))
-             if v is not None]
-    tx_times, tx_values = [t for t, _ in known], [v for _, v in known]
     next_tid = _APP_TID + 1
     for lane in lanes:
         base = next_tid
@@ -159,7 +170,7 @@ def _lane_tracks(b: _Builder, run: RunData, data: RankData) -> None:
             b.meta(data.rank, comm_base + s, "thread_name", f"lane {lane} comm #{s}")
             b.meta(data.rank, comm_base + s, "thread_sort_index", comm_base + s)
         for c, slot in zip(chunks, slots):
-            nvl = delta_interpolated(tx_times, tx_values, c["t_start_ns"], c["t_end_ns"])
+            nvl = data.chunk_tx.get(id(c))
             b.slice(data.rank, comm_base + slot,
                     f"{c['step']} {c['request_key']}[{c['chunk_index']}]",
                     c["t_start_ns"], c["t_end_ns"], "comm", {
@@ -169,8 +180,8 @@ def _lane_tracks(b: _Builder, run: RunData, data: RankData) -> None:
                                                             f"{c['num_chunks']}",
                         "busbw_gbps": c["busbw_gbps"], "algbw_gbps": c["algbw_gbps"],
                         "queued_ms": (c["t_dispatch_ns"] - c["t_submit_ns"]) / 1e6,
-                        "nvlink_tx_bytes_interpolated":
-                            None if nvl is None else int(nvl * KIB),
+                        "nvlink_tx_bytes": None if nvl is None else int(round(nvl)),
+                        "nvlink_expected_bytes": expected_link_bytes(c),
                         "ok": bool(c["ok"]), "error": c["error"]})
 
 
@@ -192,6 +203,25 @@ def _counters(b: _Builder, data: RankData) -> None:
                 b.counter(data.rank, name, times[k - 1], values)
         if len(times) > 1:
             b.counter(data.rank, name, times[-1], {"tx": 0.0, "rx": 0.0})
+
+
+def _iteration_counters(b: _Builder, rank: int, rows: List[dict]) -> None:
+    """Per application iteration, from its start: its communication busy and exposed
+    time, its efficiency against the floor, and the NVLink TX bytes its collectives put on
+    the links beside what they should have."""
+    for row in rows:
+        if row["t_end_ns"] is not None and row["comm_ms"] is not None \
+                and row["exposed_comm_ms"] is not None:
+            b.counter(rank, "communication ms per iteration", row["t_begin_ns"],
+                      {"busy": round(row["comm_ms"], 6),
+                       "exposed": round(row["exposed_comm_ms"], 6)}, "iteration")
+        if row["efficiency"] is not None:
+            b.counter(rank, "efficiency", row["t_begin_ns"],
+                      {"efficiency": round(row["efficiency"], 6)}, "iteration")
+        if row["nvlink_tx_bytes"] is not None and row["nvlink_expected_bytes"] is not None:
+            b.counter(rank, "NVLink TX MB per iteration", row["t_begin_ns"],
+                      {"counted": round(row["nvlink_tx_bytes"] / 1e6, 6),
+                       "expected": round(row["nvlink_expected_bytes"] / 1e6, 6)})
 
 
 def _parser() -> argparse.ArgumentParser:

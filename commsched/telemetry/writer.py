@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from ..observer import ChunkRecord, IterationRecord
 from ..threads import start_thread
-from .assembly import IterationAssembler, LinkRow
+from .assembly import IterationAssembler
 from .device_clock import DeviceClock
 from .errors import TelemetryWarning
 from .metrics import algbw_gbps, busbw_gbps
@@ -242,7 +242,7 @@ class StoreWriter:
                     t_flush_ns=record.t_flush_ns if t_device is None else t_device,
                     flush_mark=None)
             self._marked.popleft()
-            self._store(*self.assembler.add_iteration(record))
+            self._store(self.assembler.add_iteration(record))
             handed = True
         return handed
 
@@ -305,7 +305,7 @@ class StoreWriter:
             return urgent
         if isinstance(msg, ChunkRecord):
             self._execute("comm_ops", [self._comm_op(msg)])
-            return self._store(*self.assembler.add_chunk(msg))
+            return self._store(self.assembler.add_chunk(msg))
         if isinstance(msg, IterationRecord):
             self._marked.append(msg)
             return self._resolve_marks()
@@ -317,7 +317,6 @@ class StoreWriter:
             self._execute("nvlink_metrics", [
                 (self.rank, self._sample_no, msg.t_ns, msg.latency_ns, link, *values)
                 for link, values in msg.links.items()])
-            self._store(*self.assembler.add_sample(msg))
             return False
         if isinstance(msg, HealthSample):
             self._execute("nvlink_health", [(self.rank, msg.t_ns, link, *values)
@@ -333,20 +332,16 @@ class StoreWriter:
             return True
         raise TypeError(f"unexpected telemetry message {type(msg).__name__}")
 
-    def _store(self, rows: List[dict], links: List[LinkRow]) -> bool:
+    def _store(self, rows: List[dict]) -> bool:
         """Write iteration rows; returns True (commit now) when an iteration's communication
-        finished, and asks for the NVLink sample that will enclose it."""
-        if not rows and not links:
+        finished, and asks for an NVLink sample that follows it closely."""
+        if not rows:
             return False
         self._execute("iterations", [[r[c] for c in _ITER_COLS] for r in rows])
-        self._execute("iteration_links", [
-            (self.rank, l.lane, l.iteration, l.link, l.direction, l.bytes, l.gbps,
-             l.speed_gbps, l.utilization) for l in links])
-        finished = any(r["comm_ns"] is not None and r["nvlink_tx_bytes"] is None
-                       for r in rows)
+        finished = any(r["comm_ns"] is not None for r in rows)
         if finished:
             self.request_sample()
-        return finished or bool(links)
+        return finished
 
     def _comm_op(self, c: ChunkRecord) -> tuple:
         n = len(c.group_ranks)
@@ -361,7 +356,6 @@ class StoreWriter:
                 busbw_gbps(c.step, c.nbytes, dur, n) if c.ok else None)
 
     def _nvml_status(self, s: NvmlStatus) -> None:
-        self.assembler.set_nvml(s.status == "ok", s.links)
         gpu = s.gpu
         self._execute_sql(
             "UPDATE runs SET nvml_status = ?, nvml_detail = ?, "
@@ -386,7 +380,7 @@ class StoreWriter:
         self.conn.execute(sql, args)
 
     def _close_store(self) -> None:
-        self._store(*self.assembler.finish())
+        self._store(self.assembler.finish())
         self._execute_sql("UPDATE runs SET end_ns = ? WHERE rank = ?",
                           (time.time_ns(), self.rank))
         self._commit()

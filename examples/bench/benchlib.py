@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -362,6 +363,19 @@ def import_commsched_hooks():
         raise ModeUnavailable(f"hooks/ (as commsched.hooks) failed to import: {exc!r}") from None
     commsched.hooks = module
     return module
+
+
+def commsched_site(tmp: Path) -> Path:
+    """A directory holding the commsched package as installed (hooks/ and
+    megatron_patches/ inside it), for the PYTHONPATH of processes that import it by name
+    (torchrun workers under ``-m commsched.run`` or ``commsched floor``)."""
+    site = Path(tmp) / "site"
+    shutil.copytree(REPO_ROOT / "commsched", site / "commsched",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("hooks", "megatron_patches"):
+        shutil.copytree(REPO_ROOT / folder, site / "commsched" / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return site
 
 
 def close_quietly(*objects: Any) -> None:

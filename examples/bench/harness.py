@@ -22,7 +22,11 @@ Measurement options:
   of two close modes (telemetry on and off) needs.
 * ``--telemetry-root DIR`` keeps the telemetry of every mode that records it in
   ``DIR/<regime>_w<world size>_<mode>`` (``commsched report`` / ``commsched.sim.validate``
-  read them); without it they go to temporary directories.
+  read them), each with the run's compute only and comm only as ``floor.json`` (the
+  report's efficiency column); without it they go to temporary directories.
+
+The floor is max(compute only, comm only) and a mode's efficiency floor / its time, both
+from ``commsched.floor.floor_efficiency``, as ``commsched floor`` computes them.
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
   suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
   telemetry on: the runs the simulator is validated on.
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -134,29 +139,11 @@ def gpt_workload(quick: bool) -> Workload:
         # BENCH_GPT_MICRO_BATCH=k: a GPU-bound variant (the default 4 is host-bound on H200).
         config, micro_batch = models.GPTConfig(), _env_int("BENCH_GPT_MICRO_BATCH", 4)
 
-    def make_batch(device, generator):
-        size = (micro_batch, config.seq)
-        tokens = torch.randint(0, config.vocab, size, device=device, generator=generator)
-        targets = torch.randint(0, config.vocab, size, device=device, generator=generator)
-        return tokens, targets
-
-    def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
     return Workload("gpt", "tokens", micro_batch * config.seq,
                     {**dataclasses.asdict(config), "micro_batch": micro_batch},
-                    lambda: models.GPT(config), make_batch, loss, "adamw")
-
-
-class LibraryLM(nn.Module):
-    """A causal language model of Hugging Face ``transformers`` returning its logits."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, use_cache=False).logits
+                    lambda: models.GPT(config),
+                    functools.partial(models.lm_batch, config.vocab, micro_batch, config.seq),
+                    models.lm_loss, "adamw")
 
 
 def gpt2_library_workload(quick: bool) -> Workload:
@@ -179,22 +166,33 @@ def gpt2_library_workload(quick: bool) -> Workload:
             raise ModeUnavailable(f"transformers is not installed ({exc})") from None
         config = transformers.GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0,
                                          attn_pdrop=0.0)
-        return LibraryLM(transformers.GPT2LMHeadModel(config))
-
-    def make_batch(device, generator):
-        size = (micro_batch, seq)
-        tokens = torch.randint(0, shape["vocab_size"], size, device=device, generator=generator)
-        targets = torch.randint(0, shape["vocab_size"], size, device=device,
-                                generator=generator)
-        return tokens, targets
-
-    def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return models.LibraryLM(transformers.GPT2LMHeadModel(config))
 
     return Workload("gpt2_lib", "tokens", micro_batch * seq,
                     {**shape, "library": "transformers GPT2LMHeadModel",
                      "micro_batch": micro_batch, "seq": seq},
-                    build, make_batch, loss, "adamw")
+                    build, functools.partial(models.lm_batch, shape["vocab_size"],
+                                             micro_batch, seq),
+                    models.lm_loss, "adamw")
+
+
+def llama_library_workload(quick: bool) -> Workload:
+    """The Llama-architecture decoder of ``models.llama_lm`` from ``transformers``
+    (8x2048, MLP 5632, 16 heads, vocab 32000, untied; seq 2048, micro-batch 4), as
+    ``train_lm.py`` trains it. Where ``transformers`` is missing every mode is n/a."""
+    shape = models.LLAMA_QUICK_SHAPE if quick else models.LLAMA_SHAPE
+
+    def build() -> nn.Module:
+        try:
+            return models.llama_lm(shape)
+        except ImportError as exc:
+            raise ModeUnavailable(f"transformers is not installed ({exc})") from None
+
+    return Workload("llama_lib", "tokens", shape["micro_batch"] * shape["seq"],
+                    {**shape, "library": "transformers LlamaForCausalLM"},
+                    build, functools.partial(models.lm_batch, shape["vocab_size"],
+                                             shape["micro_batch"], shape["seq"]),
+                    models.lm_loss, "adamw")
 
 
 def _image_workload(name: str, build: Callable[[], nn.Module], batch: int, resolution: int,
@@ -227,7 +225,8 @@ def resnet50_workload(quick: bool) -> Workload:
 
 
 WORKLOADS: Dict[str, Callable[[bool], Workload]] = {
-    "gpt": gpt_workload, "gpt2_lib": gpt2_library_workload, "vgg16": vgg16_workload,
+    "gpt": gpt_workload, "gpt2_lib": gpt2_library_workload,
+    "llama_lib": llama_library_workload, "vgg16": vgg16_workload,
     "resnet50": resnet50_workload}
 
 
@@ -387,6 +386,7 @@ class Bench:
         self.phases: Optional[Dict[str, Dict[str, float]]] = None
         self.threads: Optional[Dict[str, Dict[str, float]]] = None
         self.scratch: List[str] = []    # temporary telemetry directories of the current mode
+        self.kept: List[str] = []       # telemetry directories of the current mode, kept
         self.steady_ms: List[float] = []    # the last time()'s interior step intervals
 
     def telemetry_dir(self, mode_name: str) -> str:
@@ -401,6 +401,7 @@ class Bench:
         while path.exists():  # another round of the same mode
             n += 1
             path = base.with_name(f"{base.name}_r{n}")
+        self.kept.append(str(path))
         return str(path)
 
     def build_model(self) -> nn.Module:
@@ -843,7 +844,7 @@ def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Mode:
-    """A row of the results: ``run`` measures it; ``run`` None marks the derived bound."""
+    """A row of the results: ``run`` measures it; ``run`` None marks the derived floor."""
 
     name: str
     label: str
@@ -858,7 +859,7 @@ MODES: List[Mode] = [
          run_compute_sync),
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
-    Mode("bound", "3 bound = max(1, 2)", None),
+    Mode("floor", "3 floor = max(1, 2)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_bf16_hook", "4f DDP + PyTorch's bf16_compress_hook (bfloat16 all-reduces)",
          lambda bench: run_ddp_python_hook(bench, "bf16_compress_hook")),
@@ -1068,8 +1069,8 @@ def empty_result(mode: Mode, status: str, reason: Optional[str]) -> Dict[str, An
                               "reason": reason}
     result.update({k: None for k in RESULT_KEYS})
     result.update({"iter_ms": [], "peak_mem_bytes": None, "peak_mem_bytes_max_rank": None,
-                   "throughput": None, "throughput_unit": None, "ratio_to_bound": None,
-                   "steady_ms": [], "steady_median_ms": None, "steady_ratio_to_bound": None})
+                   "throughput": None, "throughput_unit": None, "efficiency": None,
+                   "steady_ms": [], "steady_median_ms": None, "steady_efficiency": None})
     return result
 
 
@@ -1107,6 +1108,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     bench.cpu_ms = None
     bench.phases = bench.threads = None
     bench.steady_ms = []
+    bench.kept = []
     bench.mode_name = mode.name
     memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None
     baseline = start_memory_history(bench) if memory_dir else 0
@@ -1122,6 +1124,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
             result["steady_ms"] = bench.steady_ms
             result["steady_median_ms"] = statistics.median(bench.steady_ms)
         result["live_threads_after"] = [live_threads]    # this rank's, per round
+        if bench.kept:
+            result["telemetry_dirs"] = list(bench.kept)
         if bench.cpu_ms is not None:
             result["cpu_ms_per_iter"] = {"process": bench.cpu_ms[0],
                                          "training_thread": bench.cpu_ms[1]}
@@ -1166,37 +1170,61 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
 
 
 def finish_run(run: Dict[str, Any], table: Sequence[Mode] = MODES) -> Dict[str, Any]:
-    """Fill in missing modes (of ``table``) as errors, derive the bound (max of compute only
-    and comm only) and every mode's ratio to it, and put the modes in table order.
-    Idempotent."""
+    """Fill in missing modes (of ``table``) as errors, derive the floor (max of compute only
+    and comm only) and every mode's efficiency (floor / its time) with
+    ``commsched.floor.floor_efficiency``, as ``commsched floor`` and the report do, and put
+    the modes in table order. Idempotent."""
+    from commsched.floor import floor_efficiency
+
     modes = run.setdefault("modes", {})
     for mode in table:
         if mode.name not in modes and mode.run is not None:
             modes[mode.name] = empty_result(
                 mode, "error", run.get("failure") or "not run (worker ended early)")
     compute, comm = modes["compute_only"], modes["comm_only"]
-    bound_mode = next(m for m in MODES if m.run is None)
+    floor_mode = next(m for m in MODES if m.run is None)
+    steady = None
     if compute["status"] == "ok" and comm["status"] == "ok":
-        bound = empty_result(bound_mode, "ok", None)
-        limiting = compute if compute["median_ms"] >= comm["median_ms"] else comm
-        bound["median_ms"] = limiting["median_ms"]
-        bound["limited_by"] = limiting["name"]
-        bound["throughput"] = (run["items_per_step"] / (bound["median_ms"] / 1e3))
-        bound["throughput_unit"] = f"{run['unit']}/s"
+        floor = empty_result(floor_mode, "ok", None)
+        median = floor_efficiency(compute["median_ms"], comm["median_ms"])
+        floor["median_ms"] = median["floor_ms"]
+        floor["limited_by"] = median["limited_by"]
+        floor["throughput"] = (run["items_per_step"] / (floor["median_ms"] / 1e3))
+        floor["throughput_unit"] = f"{run['unit']}/s"
         if compute.get("steady_median_ms") and comm.get("steady_median_ms"):
-            bound["steady_median_ms"] = max(compute["steady_median_ms"],
-                                            comm["steady_median_ms"])
+            steady = (compute["steady_median_ms"], comm["steady_median_ms"])
+            floor["steady_median_ms"] = floor_efficiency(*steady)["floor_ms"]
     else:
-        bound = empty_result(bound_mode, "n/a", "needs compute_only and comm_only")
-    modes["bound"] = bound
+        floor = empty_result(floor_mode, "n/a", "needs compute_only and comm_only")
+    modes["floor"] = floor
     for result in modes.values():
-        if result["status"] == "ok" and bound["status"] == "ok":
-            result["ratio_to_bound"] = result["median_ms"] / bound["median_ms"]
-            if result.get("steady_median_ms") and bound.get("steady_median_ms"):
-                result["steady_ratio_to_bound"] = (result["steady_median_ms"]
-                                                   / bound["steady_median_ms"])
+        if result["status"] == "ok" and floor["status"] == "ok":
+            result["efficiency"] = floor_efficiency(
+                compute["median_ms"], comm["median_ms"], result["median_ms"])["efficiency"]
+            if result.get("steady_median_ms") and steady is not None:
+                result["steady_efficiency"] = floor_efficiency(
+                    *steady, result["steady_median_ms"])["efficiency"]
     run["modes"] = {m.name: modes[m.name] for m in table}
     return run
+
+
+def save_floor_with_telemetry(run: Dict[str, Any]) -> None:
+    """Keep the run's compute only and comm only in every telemetry run directory its
+    modes kept (``--telemetry-root``), as ``floor.json``: ``commsched report`` of such a
+    directory then shows each iteration's efficiency against the floor of the same
+    workload."""
+    from commsched.floor import save_floor
+
+    compute, comm = run["modes"]["compute_only"], run["modes"]["comm_only"]
+    if compute["status"] != "ok" or comm["status"] != "ok":
+        return
+    for result in run["modes"].values():
+        for path in result.get("telemetry_dirs") or []:
+            if os.path.isdir(path):
+                save_floor(path, {"source": "harness", "workload": run["model"],
+                                  "regime": run["regime"], "shape": run["workload"],
+                                  "compute_only_ms": compute["median_ms"],
+                                  "comm_only_ms": comm["median_ms"]})
 
 
 def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
@@ -1224,7 +1252,8 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
         merged["cpu_ms_per_iter"] = {
             k: (previous["cpu_ms_per_iter"][k] * rounds + v) / (rounds + 1)
             for k, v in result["cpu_ms_per_iter"].items()}
-    for key in ("phases", "threads", "live_threads_after", "process_cpu_ms_rounds"):
+    for key in ("phases", "threads", "live_threads_after", "process_cpu_ms_rounds",
+                "telemetry_dirs"):
         if previous.get(key) and result.get(key):
             merged[key] = previous[key] + result[key]
     if result.get("throughput"):
@@ -1337,7 +1366,8 @@ def worker(rank: int, spec: LaunchSpec) -> None:
                         benchlib.write_json(Path(spec.result_path), doc)
             finish_run(run, table)
             if rank == 0:
-                print(progress_line(spec.regime, model_name, run["modes"]["bound"]),
+                save_floor_with_telemetry(run)
+                print(progress_line(spec.regime, model_name, run["modes"]["floor"]),
                       flush=True)
                 benchlib.write_json(Path(spec.result_path), doc)
     finally:
@@ -1380,8 +1410,8 @@ def run_launch(spec: LaunchSpec, timeout_s: float) -> Dict[str, Any]:
 
 def results_table(document: Dict[str, Any]) -> str:
     """The markdown table of every run and mode."""
-    headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "x bound",
-               "x DDP", "steady ms", "steady x bound", "throughput", "peak GiB",
+    headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "efficiency",
+               "x DDP", "steady ms", "steady efficiency", "throughput", "peak GiB",
                "CPU ms/iter", "note"]
     rows = []
     rounds = (document.get("settings") or {}).get("rounds", 1)
@@ -1396,9 +1426,9 @@ def results_table(document: Dict[str, Any]) -> str:
                 cpu = (result.get("cpu_ms_per_iter") or {}).get("process")
                 rows.append([run["regime"], run["model"], result["label"],
                              fmt(result["median_ms"], 2), _spread(result),
-                             fmt(result["ratio_to_bound"], 2), fmt(to_ddp, 3),
+                             fmt(result["efficiency"], 3), fmt(to_ddp, 3),
                              fmt(result.get("steady_median_ms"), 2),
-                             fmt(result.get("steady_ratio_to_bound"), 2), _throughput(result),
+                             fmt(result.get("steady_efficiency"), 3), _throughput(result),
                              None if not result["peak_mem_bytes"]
                              else fmt(result["peak_mem_bytes"] / 2**30, 2),
                              fmt(cpu, 1), _rounds_note(result, rounds)])
@@ -1410,14 +1440,14 @@ def _rounds_note(result: Dict[str, Any], rounds: int) -> Optional[str]:
     early (``--timeout``): its row pools fewer samples than the others."""
     note = _note(result)
     done = len(result.get("round_medians_ms") or [])
-    if result["status"] != "ok" or result["name"] == "bound" or not 0 < done < rounds:
+    if result["status"] != "ok" or result["name"] == "floor" or not 0 < done < rounds:
         return note
     return f"{done} of {rounds} rounds" + (f"; {note}" if note else "")
 
 
 # Rows that are not a training step (no ratio to DDP): compute alone, communication alone
-# and their bound.
-_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "bound"))
+# and their floor.
+_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "floor"))
 
 
 def _spread(result: Dict[str, Any]) -> Optional[str]:
@@ -1441,7 +1471,7 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
         mib = result["total_bytes"] / 2**20
         return (f"{result['buckets']} buckets, {mib:.{0 if mib >= 10 else 2}f} MiB "
                 f"({result['bucket_source']})")
-    if result["name"] == "bound":
+    if result["name"] == "floor":
         return f"limited by {result['limited_by']}"
     tuned = result.get("tuned")
     if tuned:
@@ -1493,7 +1523,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations per mode (default 30; 3 with --quick)")
     parser.add_argument("--modes", default="all",
-                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'bound')} "
+                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'floor')} "
                              "(the --sweep and --dp-sweep modes are added to it)")
     parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
                         help="workers per launch, one GPU each with NCCL (default 2)")
@@ -1548,7 +1578,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parser.error(f"{option} {text!r}: a pair is given twice")
         setattr(args, flag, pairs)
         sweep_names += names
-    measured = [n for n in MODE_NAMES if n != "bound"]
+    measured = [n for n in MODE_NAMES if n != "floor"]
     args.modes = measured if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
     unknown = set(args.modes) - set(measured)
     if unknown:

@@ -284,18 +284,6 @@ def interleaved_block_pairs(result: Dict[str, object], skip: int) -> List[float]
     return diffs
 
 
-def commsched_site(tmp: Path) -> Path:
-    """A directory holding the commsched package as installed (hooks/ and
-    megatron_patches/ inside it), for the workers' PYTHONPATH."""
-    site = tmp / "site"
-    shutil.copytree(ROOT / "commsched", site / "commsched",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for folder in ("hooks", "megatron_patches"):
-        shutil.copytree(ROOT / folder, site / "commsched" / folder,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    return site
-
-
 def run_once(script: Path, megatron: Path, env: Dict[str, str], log_path: Path,
              timeout_s: float, skip: int = 0) -> Dict[str, object]:
     """One launch; its log, parsed (``error`` set when it failed), and rank 0's CPU per
@@ -695,7 +683,7 @@ def main(argv=None) -> int:
             scripts["launcher"].write_text(
                 patch_script(LAUNCH_SCRIPT.read_text(), {"COMMSCHED": "0"}))
         variants = [(name, scripts[name]) for name in args.variants.split(",")]
-        site = commsched_site(tmp_path)
+        site = benchlib.commsched_site(tmp_path)
         base = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
         base.update(NCCL_NVLS_ENABLE="0", TRAIN_ITERS=str(args.train_iters),
                     MICRO_BATCH_SIZE=str(args.micro_batch), GPUS_PER_NODE=str(args.gpus),

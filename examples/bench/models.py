@@ -1,5 +1,6 @@
 """Benchmark models written in plain PyTorch (no torchvision): a GPT-like decoder, VGG-16
-and ResNet-50.
+and ResNet-50; and a Llama-architecture decoder from Hugging Face ``transformers``
+(``llama_lm``, where that library is installed).
 
 Each architecture takes size knobs so that the same code builds the full-size model used
 on GPUs and a tiny one for the CPU smoke test. At full size the parameter counts are the
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 __all__ = [
     "GPTConfig", "GPT", "VGG", "VGG16_LAYOUT", "vgg16", "ResNet", "Bottleneck", "resnet50",
-    "count_parameters",
+    "count_parameters", "LibraryLM", "LLAMA_SHAPE", "LLAMA_QUICK_SHAPE", "llama_lm",
+    "lm_batch", "lm_loss",
 ]
 
 
@@ -239,3 +241,59 @@ class ResNet(nn.Module):
 def resnet50(**kwargs) -> ResNet:
     """ResNet-50 (3, 4, 6, 3 bottleneck blocks); keyword arguments as for :class:`ResNet`."""
     return ResNet((3, 4, 6, 3), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Library models (Hugging Face transformers)
+# ---------------------------------------------------------------------------------------
+
+class LibraryLM(nn.Module):
+    """A causal language model of Hugging Face ``transformers`` returning its logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+# A Llama-architecture decoder: 8 layers of 2048, 16 heads, MLP 5632, vocab 32000, untied
+# embeddings; sequence 2048, micro-batch 4 (the shapes and the batch, in one place, for
+# every script that trains it).
+LLAMA_SHAPE = dict(num_hidden_layers=8, hidden_size=2048, intermediate_size=5632,
+                   num_attention_heads=16, vocab_size=32000, seq=2048, micro_batch=4)
+LLAMA_QUICK_SHAPE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=352,
+                         num_attention_heads=4, vocab_size=4096, seq=64, micro_batch=2)
+
+
+def llama_lm(shape: dict = LLAMA_SHAPE) -> LibraryLM:
+    """``transformers.LlamaForCausalLM`` of ``shape`` (random initialisation from its
+    config, untied embeddings, no dropout). Raises ImportError without ``transformers``.
+
+    Example::
+
+        with torch.device("cuda"):
+            model = llama_lm()
+    """
+    import transformers
+
+    layers = {k: v for k, v in shape.items() if k not in ("seq", "micro_batch")}
+    config = transformers.LlamaConfig(**layers, max_position_embeddings=shape["seq"],
+                                      tie_word_embeddings=False, attention_dropout=0.0)
+    return LibraryLM(transformers.LlamaForCausalLM(config))
+
+
+def lm_batch(vocab: int, micro_batch: int, seq: int, device: torch.device,
+             generator: torch.Generator):
+    """A random language-model batch: (tokens, next-token targets), each (micro_batch, seq),
+    drawn in that order from ``generator``."""
+    size = (micro_batch, seq)
+    tokens = torch.randint(0, vocab, size, device=device, generator=generator)
+    targets = torch.randint(0, vocab, size, device=device, generator=generator)
+    return tokens, targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over every token position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -56,7 +56,7 @@ def panels(paths: List[Path]) -> Dict[Tuple[str, str], List[Tuple[str, float, fl
                         continue
                     label = mode.get("label") or mode.get("name")
                     if label not in seen:
-                        # (a computed row, the bound, has no samples: no spread)
+                        # (a computed row, the floor, has no samples: no spread)
                         median = mode["median_ms"]
                         rows.append((label, median, _or(mode.get("p10_ms"), median),
                                      _or(mode.get("p90_ms"), median)))

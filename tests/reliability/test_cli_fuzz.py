@@ -267,9 +267,11 @@ def fuzz_cases() -> List[Case]:
                 cases.append(Case([cmd, *base, opt, opt], env=env, must_fail=False))
                 cases.append(Case([cmd, *base, opt, rng.choice(ODD_VALUES)], env=env,
                                   must_fail=False))
-        # Positional / extra arguments. (`run FILE` runs FILE as Python: its errors are
-        # the script's own, tracebacks included, so no existing file is given to run.)
-        values = [v for v in ODD_VALUES if cmd != "run" or v not in ("{DIR}", "{TEXT}")]
+        # Positional / extra arguments. (`run FILE` and `floor FILE` run FILE as Python:
+        # its errors are the script's own, tracebacks included, so no existing file is
+        # given to run.)
+        values = [v for v in ODD_VALUES
+                  if cmd not in ("run", "floor") or v not in ("{DIR}", "{TEXT}")]
         for value in rng.sample(values, VALUES_PER_OPTION):
             cases.append(Case([cmd, value], env=env, must_fail=False))
         missing = [c for c in cases if c.must_fail]      # every option's missing value

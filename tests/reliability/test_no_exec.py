@@ -58,6 +58,14 @@ ALLOWED: Dict[Tuple[str, str, str], str] = {
     ("commsched/run.py", "importlib.util.find_spec", "importlib.util.find_spec(name)"):
         "checks that the -m module from the launcher's command line exists before runpy "
         "runs it (imports its parent packages, as runpy would next)",
+    ("commsched/floor_worker.py", "runpy.run_module",
+     'runpy.run_module(target[1], run_name="__main__", alter_sys=True)'):
+        "commsched floor's job: run the -m module its command line names (argv, never the "
+        "environment), in each rank torchrun starts, as python -m does",
+    ("commsched/floor_worker.py", "runpy.run_path",
+     'runpy.run_path(target[0], run_name="__main__")'):
+        "commsched floor's job: run the script its command line names (argv), in each rank "
+        "torchrun starts",
 }
 
 

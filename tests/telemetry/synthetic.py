@@ -10,7 +10,8 @@ step marker. Four 1 MiB all-reduce chunks (2 ranks) per iteration:
   hardware(9) 150 ms    10            as library                     50      4096 /    0
 
 NVLink samples: at T0 (zero), 1 us after every step marker, and a mid-iteration one at b+55
-with half the iteration's bytes. Two active links of 26562 MB/s. ``nvlink=False``: the
+with the bytes of the iteration's communication done by then (its chunks move their bytes
+evenly while they run). Two active links of 26562 MB/s. ``nvlink=False``: the
 same run with the counters never moving (traffic through host memory).
 """
 
@@ -47,6 +48,12 @@ def flush_ms(k):
     return 100 if KINDS.get(k) == "compute" else 50
 
 
+def done_by(k, t_ms):
+    """The share of iteration k's communication time over by t_ms after its start."""
+    spans = chunk_spans_ms(k)
+    return sum(min(max(t_ms - s, 0), e - s) for s, e in spans) / sum(e - s for s, e in spans)
+
+
 def link_tx_kib(k):
     return (4096, 0) if KINDS.get(k) == "hardware" else (2048, 2048)
 
@@ -75,7 +82,7 @@ def messages(rank, nvlink=True):
         msgs.append(iteration(iteration=k, first_submit=b + 10 * MS, flush=b + flush_ms(k) * MS,
                               requests=1, chunks=4, nbytes=4 * MIB))
         tx = link_tx_kib(k) if nvlink else (0, 0)
-        half = [x // 2 for x in tx]
+        half = [int(x * done_by(k, 55)) for x in tx]
         msgs.append(sample(b + 55 * MS, half))
         t_step = b + duration_ms(k) * MS
         msgs.append(StepMarker(k, t_step))

@@ -30,32 +30,73 @@ def test_union_counts_overlapping_chunks_once():
     assert m.union_ns([(0, 100), (10, 20)]) == 100
 
 
-def test_value_at_interpolates_and_never_extrapolates():
-    times, values = [100, 200, 400], [0, 1000, 1400]
-    assert m.value_at(times, values, 150) == pytest.approx(500)
-    assert m.value_at(times, values, 300) == pytest.approx(1200)
-    assert m.value_at(times, values, 200) == 1000
-    assert m.value_at(times, values, 99) is None
-    assert m.value_at(times, values, 401) is None
+def test_ring_link_bytes_is_the_ring_share_of_the_payload():
+    assert m.ring_link_bytes("all_reduce", 1000, 2) == 1000
+    assert m.ring_link_bytes("all_reduce", 1000, 4) == 1500
+    assert m.ring_link_bytes("reduce_scatter:intra", 1000, 4) == 750
 
 
-def test_inam_correlation_credits_an_op_with_the_bytes_of_its_interval():
-    # Samples every 100 ns; 1000 KiB moved in [0,100], 3000 KiB in [100,200].
-    times, values = [0, 100, 200], [0, 1000, 4000]
-    # An op running [50, 150]: half of the first interval (500) + half of the second (1500).
-    assert m.delta_interpolated(times, values, 50, 150) == pytest.approx(2000)
-    # Exact when the op's ends coincide with samples.
-    assert m.delta_interpolated(times, values, 100, 200) == pytest.approx(3000)
-    assert m.delta_interpolated(times, values, 150, 250) is None
+def test_an_interval_shared_by_two_collectives_is_split_by_their_weights():
+    # One increase of 600 over [0, 200] while A (weight 400) and B (200) ran in turn.
+    shares, other = m.attribute_increases([0, 200], [0, 600], [(0, 100, 400), (100, 200, 200)])
+    assert shares == pytest.approx([400, 200]) and other == 0
 
 
-def test_bracket_finds_the_samples_enclosing_a_window():
-    times = [0, 100, 200, 300]
-    assert m.bracket(times, 120, 180) == (1, 2)
-    assert m.bracket(times, 100, 200) == (1, 2)      # samples exactly at the window's ends
-    assert m.bracket(times, -50, 50) == (0, 1)       # nothing before: the first sample
-    assert m.bracket(times, 250, 350) is None        # nothing after yet
-    assert m.bracket([], 0, 1) is None
+def test_a_collective_gathers_its_shares_from_every_interval_it_spans():
+    # A runs [0, 100], half its weight in each interval; alone, it takes both increases.
+    shares, other = m.attribute_increases([0, 50, 100], [0, 100, 400], [(0, 100, 10)])
+    assert shares == pytest.approx([400]) and other == 0
+    # Beside B in the second interval: A's half weight (5) against B's 15.
+    shares, _ = m.attribute_increases([0, 50, 100], [0, 100, 400],
+                                      [(0, 100, 10), (50, 100, 15)])
+    assert shares == pytest.approx([100 + 300 * 5 / 20, 300 * 15 / 20])
+
+
+def test_samples_inside_collectives_never_count_an_increase_twice():
+    # Samples in the middle of each collective (the host asks for them at its own
+    # boundaries): each increase goes to the two collectives it covers, once.
+    spans = [(10, 30, 20), (50, 70, 20), (90, 110, 20)]
+    times = [0, 20, 60, 100, 120]
+    values = [0, 10, 30, 50, 60]        # 1 per ns while a collective runs
+    shares, other = m.attribute_increases(times, values, spans)
+    assert shares == pytest.approx([20, 20, 20]) and other == 0
+
+
+def test_an_increase_just_after_collectives_fills_what_they_are_short_of():
+    lag = m.COUNTER_LAG_NS
+    times = [0, 100, 100 + lag // 2, 2 * lag, 3 * lag]
+    # 90 of A's 100 while it ran; the 15 that follow as it ends hold its last 10 (the
+    # counters lag) and 5 of traffic of no collective; 30 much later is nobody's
+    shares, other = m.attribute_increases(times, [0, 90, 105, 105, 135], [(0, 100, 100)])
+    assert shares == pytest.approx([100]) and other == 35
+    # a collective that got all it moved takes nothing more
+    shares, other = m.attribute_increases(times, [0, 100, 110, 110, 110], [(0, 100, 100)])
+    assert shares == pytest.approx([100]) and other == 10
+
+
+def test_unknown_intervals_and_spans_outside_the_samples_give_none():
+    spans = [(10, 20, 5), (30, 40, 5), (60, 80, 5)]
+    # the counter went back between 25 and 50 (reset): the second span is unknown
+    shares, _ = m.attribute_increases([0, 25, 50, 70], [0, 5, 1, 9], spans)
+    assert shares[0] == pytest.approx(5) and shares[1] is None and shares[2] is None
+    shares, other = m.attribute_increases([0], [0], spans)
+    assert shares == [None, None, None] and other == 0
+
+
+def test_shares_and_the_rest_add_up_to_the_counters_increase():
+    import random
+    rng = random.Random(7)
+    times = sorted(rng.sample(range(1, 10_000), 40)) + [10_000]
+    times = [0] + times
+    values = [0]
+    for _ in times[1:]:
+        values.append(values[-1] + rng.randrange(0, 50))
+    spans = []
+    for _ in range(60):
+        a = rng.randrange(0, 9_900)
+        spans.append((a, a + rng.randrange(0, 100), rng.randrange(0, 10)))
+    shares, other = m.attribute_increases(times, values, spans)
+    assert sum(shares) + other == pytest.approx(values[-1] - values[0])
 
 
 def test_boundary_indices_take_the_first_sample_after_each_boundary():

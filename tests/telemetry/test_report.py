@@ -175,7 +175,7 @@ def test_cli_json_and_iteration_range(run_dir, capsys):
     data = json.loads(capsys.readouterr().out)
     assert sorted({r["iteration"] for r in data["rows"]}) == [2, 3]
     assert set(data["summary"]) == {"0", "1"}
-    assert data["definitions"]["exposed_comm_ms"].startswith("from a lane's flush")
+    assert data["definitions"]["exposed_comm_ms"].startswith("communication busy time after")
     assert data["runs"][0]["config"] == {}
 
 

@@ -88,14 +88,17 @@ def test_one_slice_per_chunk_step_with_its_args(trace):
     assert first["args"]["busbw_gbps"] == pytest.approx((1 << 20) / 10e6)
 
 
-def test_chunk_is_credited_with_the_interpolated_link_bytes(trace):
-    # Iteration 1 (b = T0 + 100 ms), chunk [b+20, b+30]: between the samples at b + 1 us
-    # (total 4096 KiB) and b + 55 ms (6144 KiB) the counter grows 2048 KiB in 54.999 ms.
+def test_chunk_is_credited_with_its_share_of_the_link_bytes(trace):
+    # Iteration 1 (b = T0 + 100 ms): between the samples at b + 1 us and b + 55 ms the
+    # counters grow 3584 KiB (both links) while chunks [20, 30], [30, 40], [40, 50] and half
+    # of [50, 60] run, 1 MiB each: chunk [20, 30] takes 1 / 3.5 of it.
     comm = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "comm"
-            and e["pid"] == 0 and e["args"]["iteration"] == 1 and e["name"].endswith("[0]")]
-    (c,) = comm
-    expected = 2048 * 1024 * 10 / 54.999
-    assert c["args"]["nvlink_tx_bytes_interpolated"] == pytest.approx(expected, abs=1)
+            and e["pid"] == 0 and e["args"]["iteration"] == 1]
+    by_index = {e["name"][-2]: e["args"] for e in comm}
+    assert by_index["0"]["nvlink_tx_bytes"] == pytest.approx(3584 * 1024 / 3.5, abs=1)
+    assert by_index["0"]["nvlink_expected_bytes"] == 1 << 20       # 1x on 2 ranks
+    assert sum(a["nvlink_tx_bytes"] for a in by_index.values()) == pytest.approx(
+        4096 * 1024, abs=4)
 
 
 def test_application_iterations_and_nvlink_counters(trace):
@@ -105,13 +108,19 @@ def test_application_iterations_and_nvlink_counters(trace):
     assert len(apps) == N_ITERS
     assert apps[0]["dur"] == pytest.approx(100_000)
     counters = [e for e in ev if e["ph"] == "C" and e["name"] == "NVLink GB/s" and e["pid"] == 0]
-    # iteration 0: between the sample at T0 and the one at T0 + 55 ms: 2048 KiB (both links)
+    # iteration 0: between the sample at T0 and the one at T0 + 55 ms: 3584 KiB (both links)
     c0 = min(counters, key=lambda e: e["ts"])
     assert c0["ts"] == 0
-    assert c0["args"]["tx"] == pytest.approx(2048 * 1024 / (55 * MS), abs=1e-3)
+    assert c0["args"]["tx"] == pytest.approx(3584 * 1024 / (55 * MS), abs=1e-3)
     per_link = {e["name"] for e in ev if e["ph"] == "C"}
     assert {"NVLink link 0 GB/s", "NVLink link 1 GB/s"} <= per_link
     assert trace["otherData"]["t0_ns"] == T0
+    per_iteration = [e for e in ev if e["ph"] == "C" and e["pid"] == 0
+                     and e["name"] == "NVLink TX MB per iteration"]
+    assert len(per_iteration) == N_ITERS
+    assert per_iteration[1]["args"] == pytest.approx({"counted": 4096 * 1024 / 1e6,
+                                                      "expected": 4 * (1 << 20) / 1e6})
+    assert apps[1]["args"]["nvlink_tx_ratio"] == pytest.approx(1.0)
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

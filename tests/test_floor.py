@@ -1,0 +1,130 @@
+"""``commsched floor``: its arithmetic on recorded timings, and the command on an unmodified
+DDP script (2 gloo ranks under torchrun)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from commsched import floor
+from commsched.floor import floor_efficiency, load_floor, save_floor, summarize
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "scripts", "train_ddp_floor.py")
+ITERS, WARMUP = 4, 2
+
+
+def test_floor_is_the_larger_of_compute_and_comm_and_efficiency_is_floor_over_the_step():
+    f = floor_efficiency(133.1, 126.3, 162.7)
+    assert f["floor_ms"] == 133.1 and f["limited_by"] == "compute_only"
+    assert f["efficiency"] == pytest.approx(133.1 / 162.7)
+    f = floor_efficiency(60.0, 126.3, 190.1)
+    assert f["floor_ms"] == 126.3 and f["limited_by"] == "comm_only"
+    assert f["efficiency"] == pytest.approx(126.3 / 190.1)
+    assert floor_efficiency(10.0, 5.0)["efficiency"] is None
+
+
+def rank_result(ms, collectives, backwards, **extra):
+    return {"ms_per_iteration": ms, "collectives": collectives, "backwards": backwards,
+            **extra}
+
+
+def test_the_result_takes_each_launch_at_its_slowest_rank():
+    layout = [{"bytes": 1 << 20, "dtype": "float32"}]
+    per_mode = {
+        "compute": [rank_result(80.0, 0, ITERS, layout=layout, backend="nccl"),
+                    rank_result(84.0, 0, ITERS, layout=layout, backend="nccl")],
+        "comm": [rank_result(30.0, 2 * ITERS, 0), rank_result(31.0, 2 * ITERS, 0)],
+        "hook": [rank_result(100.0, 2 * ITERS, ITERS), rank_result(105.0, 2 * ITERS, ITERS)],
+    }
+    r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert (r["compute_only_ms"], r["comm_only_ms"], r["hook_ms"]) == (84.0, 31.0, 105.0)
+    assert r["floor_ms"] == 84.0 and r["limited_by"] == "compute_only"
+    assert r["efficiency"] == pytest.approx(0.8)
+    assert r["collectives"] == {"compute": 0, "comm": 8, "hook": 8}
+    assert r["backwards"] == {"compute": ITERS, "comm": 0, "hook": ITERS}
+    assert "80% efficient" in r["verdict"] and "21.00 ms per iteration" in r["verdict"]
+    text = floor.format_result(r)
+    assert "floor              84.00" in text and "efficiency         80.0%" in text
+
+
+def test_a_step_at_its_floor_gets_no_promise():
+    assert floor.verdict(100.0, 40.0, 101.0).startswith("at the floor (99% efficient)")
+    assert "only fewer bytes" in floor.verdict(40.0, 100.0, 150.0)
+
+
+def test_a_saved_result_is_found_from_a_launch_subdirectory(tmp_path):
+    save_floor(str(tmp_path), {"source": "test", "compute_only_ms": 8.0, "comm_only_ms": 9.0})
+    launch = tmp_path / "20261128-120000"
+    launch.mkdir()
+    doc, note = load_floor(str(launch))
+    assert doc["floor_ms"] == 9.0 and doc["limited_by"] == "comm_only"
+    assert str(tmp_path / "floor.json") in note
+    (tmp_path / "floor.json").write_text("{not json")
+    doc, note = load_floor(str(launch))
+    assert doc is None and "not used" in note
+
+
+def test_options_come_first_and_torchrun_parses_the_rest():
+    own, launch = floor._split(["--iters", "7", "--warmup=3", "--json", "--nproc-per-node",
+                                "2", "train.py", "--iters", "99"])
+    assert (own["iters"], own["warmup"], own["json"]) == (7, 3, True)
+    assert launch == ["--nproc-per-node", "2", "train.py", "--iters", "99"]
+    options, target = floor._torchrun_parts(["--nproc-per-node", "2", "-m", "pkg.train",
+                                             "--lr", "3e-4"])
+    assert options == ["--nproc-per-node", "2"]
+    assert target == ["-m", "pkg.train", "--lr", "3e-4"]
+    with pytest.raises(ValueError, match="at least 1"):
+        floor._split(["--warmup", "0", "train.py"])
+
+
+def floor_command(args, cwd, env_extra=None, timeout=150):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "commsched", "floor", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_floor_on_a_ddp_script_prints_the_table_and_leaves_the_scripts_outputs(tmp_path):
+    work, out, saved = tmp_path / "work", tmp_path / "out", tmp_path / "run"
+    work.mkdir()
+    out.mkdir()
+    proc = floor_command(["--iters", str(ITERS), "--warmup", str(WARMUP), "--save",
+                          str(saved), "--standalone", "--nproc-per-node", "2", SCRIPT,
+                          "--steps", "100"], cwd=work,
+                         env_extra={"OUT_DIR": str(out),
+                                    "COMMSCHED_TELEMETRY_DIR": str(tmp_path / "tel")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for label in ("compute only", "comm only", "floor", "commsched hook", "efficiency"):
+        assert any(line.strip().startswith(label) for line in lines), (label, proc.stdout)
+    assert any(line.startswith("verdict: ") for line in lines), proc.stdout
+    result = json.loads((saved / "floor.json").read_text())
+    assert result["floor_ms"] == max(result["compute_only_ms"], result["comm_only_ms"])
+    assert result["efficiency"] == pytest.approx(result["floor_ms"] / result["hook_ms"])
+    # compute only ran no collective, comm only no backward, the hook both
+    assert result["collectives"]["compute"] == 0
+    assert result["backwards"] == {"compute": ITERS, "comm": 0, "hook": ITERS}
+    assert result["collectives"]["comm"] == ITERS * len(result["buckets"])
+    assert result["collectives"]["hook"] >= ITERS * len(result["buckets"])
+    # the buckets DDP rebuilt in the order gradients became ready (0.1 MB cap, reached by
+    # the last layer's 257 floats with the middle layer's 65792; then the first's 16640)
+    assert result["buckets"] == [{"bytes": 4 * (257 + 65792), "dtype": "float32"},
+                                 {"bytes": 4 * 16640, "dtype": "float32"}]
+    # The script wrote its outputs as a run of it stopped in its optimizer step number
+    # WARMUP + ITERS does (the last launch's, with the commsched hook; it writes after each
+    # step); commsched saved nothing of its own.
+    for rank in (0, 1):
+        text = (out / f"rank{rank}.txt").read_text()
+        assert text == f"steps={WARMUP + ITERS - 1} hooks=['CommschedState']\n"
+    assert sorted(os.listdir(out)) == ["rank0.txt", "rank1.txt"]
+    assert os.listdir(work) == [] and not (tmp_path / "tel").exists()
+
+
+def test_a_script_that_ends_too_soon_is_a_clear_error(tmp_path):
+    proc = floor_command(["--iters", "5", "--warmup", "5", "--standalone",
+                          "--nproc-per-node", "1", SCRIPT, "--steps", "3"], cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "ended after 3 optimizer steps; the measurement needs 10" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("--- its output")[0]
