@@ -30,6 +30,7 @@ import models  # noqa: E402
 # Modes the harness measures itself, with no commsched API involved: these must run.
 HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor")
 ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor",
+             "comm_only_bf16", "floor_bf16",
              "ddp_python_hook", "ddp_bf16_hook", "ddp_min_hook", "ddp_min_hook_join",
              "ddp_min_hook_join_div",
              "ddp_commsched", "ddp_commsched_sum", "ddp_commsched_large", "ddp_commsched_route",
@@ -43,7 +44,7 @@ ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor"
              "commsched_dp_first_unbounded", "commsched_dp_rows_first_unbounded",
              "commsched_dp_settle", "megatron_stock", "megatron_patched")
 # Modes that run another mode's code with other settings (not run by the smoke test).
-VARIANT_MODES = ("ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
+VARIANT_MODES = ("comm_only_bf16", "ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
                  "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
                  "ddp_commsched_timed", "commsched_dp_g4",
                  "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_greedy",
@@ -88,7 +89,7 @@ def harness_tmpdir(tmp_path_factory):
 def harness_run(tmp_path_factory, harness_tmpdir):
     out = tmp_path_factory.mktemp("bench") / "harness.json"
     # Every mode but the ones that only vary another's settings (kept out for CI time).
-    modes = [m for m in ALL_MODES if m != "floor" and m not in VARIANT_MODES]
+    modes = [m for m in ALL_MODES if m not in ("floor", "floor_bf16") and m not in VARIANT_MODES]
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--timeout", "200",
                                      "--modes", ",".join(modes), "--out", str(out)],
@@ -178,9 +179,9 @@ def test_harness_measures_its_own_modes_and_derives_the_floor(harness_run):
 
 
 def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harness_run):
-    # The default config sets no credit window in bytes: `none` does not cut its groups,
-    # and rs_ag never does; the table says so instead of the unused partition size. `none`
-    # runs under a window of two whole groups (the quick GPT has one), rs_ag unbounded.
+    # The default config sets no partition size: `none` does not cut its groups, and rs_ag
+    # never does; the table says so instead of the unused partition size. Neither runs
+    # under a window by default.
     proc, document = harness_run
     modes = document["launches"][0]["runs"][0]["modes"]
     assert modes["commsched_dp"]["commsched_config"]["credit_bytes"] == 0
@@ -190,10 +191,9 @@ def test_harness_notes_that_the_data_parallel_modes_send_whole_layer_groups(harn
         assert modes[name]["whole_groups"] is True, name
         [row] = [r for r in rows if f"| {labels[name]} |" in r]
         assert "whole layer groups" in row and "partition " not in row, row
-    window = modes["commsched_dp"]["credit_window_bytes"]
-    assert window > 0 and modes["commsched_dp_zero"]["credit_window_bytes"] == 0
-    [row] = [r for r in rows if f"| {labels['commsched_dp']} |" in r]
-    assert f"credit {window >> 10} KiB (2 layer groups in flight)" in row, row
+    # no window by default: the plan orders the groups
+    assert modes["commsched_dp"]["credit_window_bytes"] == 0
+    assert modes["commsched_dp_zero"]["credit_window_bytes"] == 0
 
 
 def test_harness_removes_the_temporary_telemetry_of_its_modes(harness_run, harness_tmpdir):
@@ -224,7 +224,9 @@ def harness_options_run(tmp_path_factory):
     out, root, traces = tmp / "harness.json", tmp / "telemetry", tmp / "traces"
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--world-size", "3",
-                                     "--rounds", "2", "--modes", "compute_only,comm_only",
+                                     "--rounds", "2", "--modes",
+                                     "compute_only,comm_only,comm_only_bf16,"
+                                     "commsched_dp@groups_in_flight=2@first_group_bytes=4KiB",
                                      "--sweep", "64K/256K,0/0",
                                      "--dp-sweep", "64K/256K,0/0,0/0/0",
                                      "--telemetry-root", str(root),
@@ -233,6 +235,22 @@ def harness_options_run(tmp_path_factory):
                            "BENCH_THREADS": "1"})
     document = json.loads(out.read_text()) if out.exists() else None
     return proc, document, root, traces
+
+
+def test_a_mode_variant_runs_with_its_settings_and_bf16_gets_its_own_floor(
+        harness_options_run):
+    proc, document, _, _ = harness_options_run
+    assert proc.returncode == 0, explain(proc)
+    modes = document["launches"][0]["runs"][0]["modes"]
+    variant = modes["commsched_dp@groups_in_flight=2@first_group_bytes=4KiB"]
+    assert variant["status"] == "ok", variant["reason"]
+    config = variant["commsched_config"]
+    assert (config["groups_in_flight"], config["first_group_bytes"]) == (2, 4096)
+    assert variant["credit_window_bytes"] > 0
+    bf16, floor = modes["comm_only_bf16"], modes["floor_bf16"]
+    assert bf16["total_bytes"] * 2 == modes["comm_only"]["total_bytes"]
+    assert floor["median_ms"] == max(modes["compute_only"]["median_ms"], bf16["median_ms"])
+    assert variant["efficiency_bf16"] == pytest.approx(floor["median_ms"] / variant["median_ms"])
 
 
 def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
@@ -259,7 +277,8 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
               if line.startswith("[bench] nvlink gpt ") and "ms/iter" in line
               and not line.startswith("[bench] nvlink gpt floor:")]    # (derived, at the end)
              for part in rounds]
-    assert len(timed[0]) == 7, proc.stdout   # compute_only, comm_only, 2 sweep, 3 dp-sweep
+    # compute_only, comm_only, comm_only_bf16, a variant, 2 sweep, 3 dp-sweep
+    assert len(timed[0]) == 9, proc.stdout
     assert timed[1] == timed[0][::-1]
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "partition 64K, credit 256K" in table and "not selected" not in table
@@ -305,8 +324,8 @@ def test_harness_dp_sweep_runs_the_data_parallel_mode_at_each_setting(harness_op
     assert modes["dpsweep_p0_c0_g0"]["layer_groups"] > 10
     table = proc.stdout[proc.stdout.index("| regime |"):]
     assert "6s data-parallel mode, partition 64K, credit 256K" in table
-    assert "6s data-parallel mode, partition off, credit 2 layer groups" in table
-    assert "6s data-parallel mode, partition off, credit 2 layer groups, groups per module" in table
+    assert "6s data-parallel mode, partition off, credit unbounded" in table
+    assert "6s data-parallel mode, partition off, credit unbounded, groups per module" in table
 
 
 def test_harness_keeps_each_round_s_cpu_per_thread(harness_options_run):
@@ -323,7 +342,9 @@ def test_harness_profile_writes_a_trace_per_mode_rank_and_round(harness_options_
     proc, _, _, traces = harness_options_run
     assert proc.returncode == 0, explain(proc)
     expected = {f"nvlink_{mode}_rank{rank}{suffix}.json.gz"
-                for mode in ("compute_only", "comm_only", "sweep_p64K_c256K", "sweep_p0_c0",
+                for mode in ("compute_only", "comm_only", "comm_only_bf16",
+                             "commsched_dp.groups_in_flight-2.first_group_bytes-4KiB",
+                             "sweep_p64K_c256K", "sweep_p0_c0",
                              "dpsweep_p64K_c256K", "dpsweep_p0_c0", "dpsweep_p0_c0_g0")
                 for rank in range(3) for suffix in ("", "_r2")}
     assert {p.name for p in traces.iterdir()} == expected

@@ -198,8 +198,8 @@ class OverlapEngine(GradientSubmission, DeferredActions):
 
     @property
     def whole_groups(self) -> bool:
-        """Whether each layer group goes as one collective (the partition size unused)."""
-        return self.partition_bytes == WHOLE
+        """Whether each layer group goes as one collective."""
+        return self.partition_bytes == WHOLE or not self.scheduler.config.partition_bytes
 
     def _allocate(self) -> None:
         for g in self.groups:

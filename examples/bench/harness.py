@@ -179,8 +179,11 @@ def gpt2_library_workload(quick: bool) -> Workload:
 def llama_library_workload(quick: bool) -> Workload:
     """The Llama-architecture decoder of ``models.llama_lm`` from ``transformers``
     (8x2048, MLP 5632, 16 heads, vocab 32000, untied; seq 2048, micro-batch 4), as
-    ``train_lm.py`` trains it. Where ``transformers`` is missing every mode is n/a."""
-    shape = models.LLAMA_QUICK_SHAPE if quick else models.LLAMA_SHAPE
+    ``train_lm.py`` trains it; ``BENCH_LLAMA_LAYERS=16`` makes it the ~0.94B one. Where
+    ``transformers`` is missing every mode is n/a."""
+    shape = models.LLAMA_QUICK_SHAPE if quick else dict(
+        models.LLAMA_SHAPE, num_hidden_layers=_env_int(
+            "BENCH_LLAMA_LAYERS", models.LLAMA_SHAPE["num_hidden_layers"]))
 
     def build() -> nn.Module:
         try:
@@ -393,10 +396,11 @@ class Bench:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
         directory per round), else a temporary directory, removed once the mode ended."""
         if not self.telemetry_root:
-            path = tempfile.mkdtemp(prefix=f"commsched-bench-{mode_name}-")
+            path = tempfile.mkdtemp(prefix=f"commsched-bench-{file_name(mode_name)}-")
             self.scratch.append(path)
             return path
-        base = Path(self.telemetry_root) / f"{self.regime}_w{self.world_size}_{mode_name}"
+        base = (Path(self.telemetry_root)
+                / f"{self.regime}_w{self.world_size}_{file_name(mode_name)}")
         path, n = base, 1
         while path.exists():  # another round of the same mode
             n += 1
@@ -547,7 +551,7 @@ class Bench:
         from torch.profiler import ProfilerActivity, profile
 
         directory.mkdir(parents=True, exist_ok=True)
-        stem = f"{self.regime}_{self.mode_name}_rank{self.rank}"
+        stem = f"{self.regime}_{file_name(self.mode_name)}_rank{self.rank}"
         path, n = directory / f"{stem}.json.gz", 1
         while path.exists():
             n += 1
@@ -662,13 +666,14 @@ def run_ddp_minimal_hook(bench: Bench, cuda_future: bool, in_kernel_average: boo
     return {"iter_ms": bench.time(step)}
 
 
-def run_comm_only(bench: Bench) -> Dict[str, Any]:
-    """The same bytes and collectives as DDP without compute: one async fp32 all-reduce per
-    gradient bucket, issued in bucket order, then all waited for (the comm floor)."""
+def run_comm_only(bench: Bench, dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
+    """The same bytes and collectives as DDP without compute: one async all-reduce per
+    gradient bucket, issued in bucket order, then all waited for (the comm floor). The
+    benchmark models keep fp32 gradients; ``dtype`` bfloat16: the same elements in it, as
+    DDP's ``bf16_compress_hook`` and ``COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16`` send them."""
     bucket_bytes, source = bench.cache.get("buckets") or fallback_bucket_bytes(bench)
-    dtype = torch.float32  # the benchmark models keep fp32 parameters and gradients
     size = torch.tensor([], dtype=dtype).element_size()
-    buffers = [torch.zeros(max(1, n // size), dtype=dtype, device=bench.device)
+    buffers = [torch.zeros(max(1, n // 4), dtype=dtype, device=bench.device)
                for n in bucket_bytes]
 
     def step() -> None:
@@ -678,7 +683,7 @@ def run_comm_only(bench: Bench) -> Dict[str, Any]:
 
     return {"iter_ms": bench.time(step), "buckets": len(bucket_bytes),
             "bucket_bytes": bucket_bytes, "bucket_source": source,
-            "total_bytes": sum(bucket_bytes)}
+            "total_bytes": sum(b.numel() * size for b in buffers)}
 
 
 def run_ddp_commsched(bench: Bench, observer=None, mark_steps: bool = False,
@@ -860,6 +865,9 @@ MODES: List[Mode] = [
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("floor", "3 floor = max(1, 2)", None),
+    Mode("comm_only_bf16", "2b comm only, bfloat16 all-reduces",
+         lambda bench: run_comm_only(bench, torch.bfloat16)),
+    Mode("floor_bf16", "3b floor of bfloat16 all-reduces = max(1, 2b)", None),
     Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_bf16_hook", "4f DDP + PyTorch's bf16_compress_hook (bfloat16 all-reduces)",
          lambda bench: run_ddp_python_hook(bench, "bf16_compress_hook")),
@@ -1007,10 +1015,51 @@ def _layer_groups(n: int) -> str:
     return f"{n} layer group{'s' if n > 1 else ''}"
 
 
+# The modes that take settings of their own: ``NAME@FIELD=VALUE[@FIELD=VALUE...]`` runs
+# NAME with those ``Config`` fields (each value as its COMMSCHED_* variable reads it).
+_VARIANT_BASES = {"commsched_dp": ("6v", run_commsched_dp),
+                  "ddp_commsched": ("5v", run_ddp_commsched)}
+
+
+def file_name(mode_name: str) -> str:
+    """``mode_name`` in a file name: a variant's ``@`` and ``=`` as ``.`` and ``-``."""
+    return mode_name.replace("@", ".").replace("=", "-")
+
+
+def parse_variant(name: str) -> Tuple[str, Dict[str, Any]]:
+    """``NAME@FIELD=VALUE...`` -> (NAME, {field: value}); ValueError names what is wrong."""
+    base, *settings = name.split("@")
+    if base not in _VARIANT_BASES or not settings:
+        raise ValueError(f"{name!r}: a variant is one of {', '.join(_VARIANT_BASES)} followed "
+                         f"by @FIELD=VALUE settings")
+    config = benchlib.import_commsched().Config
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    overrides: Dict[str, Any] = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"{name!r}: {setting!r} is not FIELD=VALUE of a Config field "
+                             f"({', '.join(fields)})")
+        overrides[key] = getattr(config.from_env({fields[key].metadata["env"]: value}), key)
+    return base, overrides
+
+
+def variant_modes(names: Sequence[str]) -> List[Mode]:
+    """One mode per ``NAME@FIELD=VALUE...`` name (``--modes``)."""
+    modes = []
+    for name in names:
+        base, overrides = parse_variant(name)
+        code, run = _VARIANT_BASES[base]
+        label = f"{code} {base}, " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+        modes.append(Mode(name, label, lambda bench, run=run, kw=overrides: run(bench, **kw)))
+    return modes
+
+
 def mode_table(sweep: Sequence[Tuple[int, int]] = (),
-               dp_sweep: Sequence[Tuple[int, ...]] = ()) -> List[Mode]:
-    """Every mode of a launch, in table order: ``MODES``, then the sweeps'."""
-    return [*MODES, *sweep_modes(sweep), *dp_sweep_modes(dp_sweep)]
+               dp_sweep: Sequence[Tuple[int, ...]] = (),
+               variants: Sequence[str] = ()) -> List[Mode]:
+    """Every mode of a launch, in table order: ``MODES``, the variants, then the sweeps'."""
+    return [*MODES, *variant_modes(variants), *sweep_modes(sweep), *dp_sweep_modes(dp_sweep)]
 
 
 def ddp_bucket_bytes(model: DDP) -> Optional[Tuple[List[int], str]]:
@@ -1092,7 +1141,7 @@ def dump_memory_history(bench: Bench, directory: Path, baseline: int) -> None:
     torch.cuda.memory._record_memory_history(enabled=None)
     snapshot["baseline_bytes"] = baseline
     snapshot["device"] = torch.device(bench.device).index or 0
-    path = directory / f"{bench.regime}_{bench.mode_name}_rank{bench.rank}.pickle"
+    path = directory / f"{bench.regime}_{file_name(bench.mode_name)}_rank{bench.rank}.pickle"
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)
 
@@ -1162,7 +1211,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     if bench.cuda and result["status"] == "ok":
         result["peak_mem_bytes"] = peak
         result["peak_mem_bytes_max_rank"] = int(flags[1].item())
-    if result["status"] == "ok" and result["median_ms"] and mode.name != "comm_only":
+    if result["status"] == "ok" and result["median_ms"] and mode.name not in (
+            "comm_only", "comm_only_bf16"):
         result["throughput"] = (bench.workload.items_per_rank * bench.world_size
                                 / (result["median_ms"] / 1e3))
         result["throughput_unit"] = f"{bench.workload.unit}/s"
@@ -1173,18 +1223,30 @@ def finish_run(run: Dict[str, Any], table: Sequence[Mode] = MODES) -> Dict[str, 
     """Fill in missing modes (of ``table``) as errors, derive the floor (max of compute only
     and comm only) and every mode's efficiency (floor / its time) with
     ``commsched.floor.floor_efficiency``, as ``commsched floor`` and the report do, and put
-    the modes in table order. Idempotent."""
-    from commsched.floor import floor_efficiency
-
+    the modes in table order; the same of bfloat16 all-reduces (``floor_bf16``,
+    ``efficiency_bf16``). Idempotent."""
     modes = run.setdefault("modes", {})
     for mode in table:
         if mode.name not in modes and mode.run is not None:
             modes[mode.name] = empty_result(
                 mode, "error", run.get("failure") or "not run (worker ended early)")
-    compute, comm = modes["compute_only"], modes["comm_only"]
-    floor_mode = next(m for m in MODES if m.run is None)
+    for floor_name, comm_name, key in (("floor", "comm_only", "efficiency"),
+                                       ("floor_bf16", "comm_only_bf16", "efficiency_bf16")):
+        _derive_floor(run, modes, floor_name, comm_name, key)
+    run["modes"] = {m.name: modes[m.name] for m in table}
+    return run
+
+
+def _derive_floor(run: Dict[str, Any], modes: Dict[str, Any], floor_name: str,
+                  comm_name: str, key: str) -> None:
+    """The row ``floor_name`` = max(compute only, ``comm_name``), and every measured mode's
+    efficiency against it (``key``)."""
+    from commsched.floor import floor_efficiency
+
+    compute, comm = modes["compute_only"], modes.get(comm_name)
+    floor_mode = next(m for m in MODES if m.name == floor_name)
     steady = None
-    if compute["status"] == "ok" and comm["status"] == "ok":
+    if compute["status"] == "ok" and comm is not None and comm["status"] == "ok":
         floor = empty_result(floor_mode, "ok", None)
         median = floor_efficiency(compute["median_ms"], comm["median_ms"])
         floor["median_ms"] = median["floor_ms"]
@@ -1195,17 +1257,15 @@ def finish_run(run: Dict[str, Any], table: Sequence[Mode] = MODES) -> Dict[str, 
             steady = (compute["steady_median_ms"], comm["steady_median_ms"])
             floor["steady_median_ms"] = floor_efficiency(*steady)["floor_ms"]
     else:
-        floor = empty_result(floor_mode, "n/a", "needs compute_only and comm_only")
-    modes["floor"] = floor
+        floor = empty_result(floor_mode, "n/a", f"needs compute_only and {comm_name}")
+    modes[floor_name] = floor
     for result in modes.values():
         if result["status"] == "ok" and floor["status"] == "ok":
-            result["efficiency"] = floor_efficiency(
+            result[key] = floor_efficiency(
                 compute["median_ms"], comm["median_ms"], result["median_ms"])["efficiency"]
             if result.get("steady_median_ms") and steady is not None:
-                result["steady_efficiency"] = floor_efficiency(
+                result["steady_" + key] = floor_efficiency(
                     *steady, result["steady_median_ms"])["efficiency"]
-    run["modes"] = {m.name: modes[m.name] for m in table}
-    return run
 
 
 def save_floor_with_telemetry(run: Dict[str, Any]) -> None:
@@ -1296,9 +1356,10 @@ class LaunchSpec:
     sweep: Tuple[Tuple[int, int], ...] = ()
     telemetry_root: Optional[str] = None
     dp_sweep: Tuple[Tuple[int, ...], ...] = ()
+    variants: Tuple[str, ...] = ()
 
     def table(self) -> List[Mode]:
-        return mode_table(self.sweep, self.dp_sweep)
+        return mode_table(self.sweep, self.dp_sweep, self.variants)
 
 
 def worker(rank: int, spec: LaunchSpec) -> None:
@@ -1440,14 +1501,16 @@ def _rounds_note(result: Dict[str, Any], rounds: int) -> Optional[str]:
     early (``--timeout``): its row pools fewer samples than the others."""
     note = _note(result)
     done = len(result.get("round_medians_ms") or [])
-    if result["status"] != "ok" or result["name"] == "floor" or not 0 < done < rounds:
+    if result["status"] != "ok" or result["name"] in _FLOORS or not 0 < done < rounds:
         return note
     return f"{done} of {rounds} rounds" + (f"; {note}" if note else "")
 
 
 # Rows that are not a training step (no ratio to DDP): compute alone, communication alone
 # and their floor.
-_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "floor"))
+_FLOORS = frozenset(("floor", "floor_bf16"))
+_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "comm_only_bf16",
+                           *_FLOORS))
 
 
 def _spread(result: Dict[str, Any]) -> Optional[str]:
@@ -1467,11 +1530,11 @@ def _note(result: Dict[str, Any]) -> Optional[str]:
     if result["status"] != "ok":
         reason = result["reason"] or ""
         return f"{result['status']}: {reason[:100]}"
-    if result["name"] == "comm_only":
+    if result["name"] in ("comm_only", "comm_only_bf16"):
         mib = result["total_bytes"] / 2**20
         return (f"{result['buckets']} buckets, {mib:.{0 if mib >= 10 else 2}f} MiB "
                 f"({result['bucket_source']})")
-    if result["name"] == "floor":
+    if result["name"] in _FLOORS:
         return f"limited by {result['limited_by']}"
     tuned = result.get("tuned")
     if tuned:
@@ -1523,8 +1586,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations per mode (default 30; 3 with --quick)")
     parser.add_argument("--modes", default="all",
-                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n != 'floor')} "
-                             "(the --sweep and --dp-sweep modes are added to it)")
+                        help=f"comma-separated subset of {','.join(n for n in MODE_NAMES if n not in _FLOORS)} "
+                             "(the --sweep and --dp-sweep modes are added to it); "
+                             f"{' or '.join(_VARIANT_BASES)}@FIELD=VALUE[@...]: that mode "
+                             "with those Config fields")
     parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
                         help="workers per launch, one GPU each with NCCL (default 2)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -1578,9 +1643,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parser.error(f"{option} {text!r}: a pair is given twice")
         setattr(args, flag, pairs)
         sweep_names += names
-    measured = [n for n in MODE_NAMES if n != "floor"]
+    measured = [n for n in MODE_NAMES if n not in _FLOORS]
     args.modes = measured if args.modes == "all" else [m.strip() for m in args.modes.split(",")]
-    unknown = set(args.modes) - set(measured)
+    args.variants = tuple(m for m in args.modes if "@" in m)
+    for name in args.variants:
+        try:
+            parse_variant(name)
+        except ValueError as exc:
+            parser.error(f"--modes: {exc}")
+    unknown = set(args.modes) - set(measured) - set(args.variants)
     if unknown:
         parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {measured}")
     args.modes += sweep_names
@@ -1627,7 +1698,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               args.iters, benchlib.free_port(), backend,
                               args.collective_timeout, str(Path(tmp) / f"{regime}.json"),
                               args.world_size, args.rounds, args.sweep, args.telemetry_root,
-                              args.dp_sweep)
+                              args.dp_sweep, args.variants)
             remaining = deadline - time.monotonic()
             if remaining < 20:
                 launch_doc = run_launch_skipped(spec, "time budget (--timeout) used up")
