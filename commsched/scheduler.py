@@ -119,6 +119,7 @@ from .topology import Topology, local_size_from_env
 from .telemetry.device_clock import EventClock
 from .telemetry.nvtx_ranges import nvtx_range_pop, nvtx_range_push
 from .threads import start_thread
+from .workers import keep_past_exit, retain
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
@@ -1038,6 +1039,7 @@ class _Lane:
                                end is not None and end is req.done_event)
         else:
             work = chunk.works = issue_step(chunk, step)
+            retain(work)
             completion.add(chunk, step, work, None, None, False)
         if nvtx:
             nvtx_range_pop()
@@ -1394,6 +1396,7 @@ def _close_at_exit() -> None:
     for scheduler in list(_live):
         if not scheduler._closed:
             scheduler.close()
+    keep_past_exit()
 
 
 class Scheduler:
