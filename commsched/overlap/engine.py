@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.config import MAX_BYTES, Config
+from commsched.errors import CommschedWarning
 from commsched.scheduler import Scheduler
 from commsched.telemetry import open_rank_recorder
 
@@ -58,7 +59,7 @@ from .update import (PER_GROUP, StepRecord, params_by_group, snapshot, step_subs
 __all__ = ["OverlapEngine", "OverlapWarning"]
 
 
-class OverlapWarning(UserWarning):
+class OverlapWarning(CommschedWarning):
     """Overlap mode fell back to synchronous behaviour for a reason the user can fix."""
 
 
