@@ -1,9 +1,9 @@
 """One-line notices on stderr, from rank 0 only: what commsched did (``errors.py`` says how
 it reports errors and warnings).
 
-The rank is the default process group's once there is one, else the launcher's ``RANK``
-(torchrun, srun and mpirun set it before the script starts); a process with neither is
-rank 0.
+The rank is the default process group's once there is one, else the one its launcher set
+before the script started (``RANK`` from torchrun and torch.distributed.launch, else
+srun's, Open MPI's or PMI's); a process with none of these is rank 0.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ def is_rank0() -> bool:
             return dist.get_rank() == 0
     except (ImportError, RuntimeError, ValueError):
         pass
-    return os.environ.get("RANK", "0").strip() in ("", "0")
+    for var in _RANK_VARS:
+        if var in os.environ:
+            return os.environ[var].strip() in ("", "0")
+    return True
+
+
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
 def say(message: str) -> None:
@@ -45,6 +51,6 @@ def started(what: str, config, telemetry_dir: Optional[str] = None) -> None:
 
     changed = [s for s in config.changed_settings()
                if not (telemetry_dir and s.startswith("COMMSCHED_TELEMETRY_DIR="))]
-    line = (f"{__version__} on: {what}; settings: "
+    line = (f"on (version {__version__}): {what}; settings: "
             f"{', '.join(changed) if changed else 'defaults'}")
     say(line + (f"; telemetry: {telemetry_dir}" if telemetry_dir else ""))

@@ -40,7 +40,7 @@ def test_the_start_up_line_names_the_settings_away_from_their_defaults(capsys):
     notices.started("the DDP hook", config, "runs/b/20261128-120000-000")
     notices.started("the DDP hook", Config(enabled=True))
     assert capsys.readouterr().err.splitlines() == [
-        f"commsched: {commsched.__version__} on: the DDP hook; settings: "
+        f"commsched: on (version {commsched.__version__}): the DDP hook; settings: "
         "COMMSCHED_PARTITION_BYTES=1KiB, COMMSCHED_CREDIT_BYTES=4KiB; "
         "telemetry: runs/b/20261128-120000-000",
-        f"commsched: {commsched.__version__} on: the DDP hook; settings: defaults"]
+        f"commsched: on (version {commsched.__version__}): the DDP hook; settings: defaults"]
