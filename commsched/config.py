@@ -244,8 +244,9 @@ class Config:
 
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
         "COMMSCHED_TELEMETRY_DIR"))
-    """Directory for the telemetry store (SQLite, one file per rank) and its exports;
-    unset: no telemetry."""
+    """Directory under which each launch writes a run directory, named by its start time,
+    holding the telemetry store (SQLite, one file per rank); ``commsched report DIR`` reads
+    the newest. Unset: no telemetry."""
 
     nvtx: bool = field(default=False, metadata=_env("COMMSCHED_NVTX"))
     """0 or 1: NVTX ranges around dispatched chunks and iterations (Nsight Systems)."""
