@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import commsched
-from distributed import free_port
+from distributed import free_port, run_group
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "scripts", "train_ddp_hooks.py")
 MODEL = "DistributedDataParallel(Sequential, 2,177 parameters)"
@@ -36,9 +36,8 @@ def _launch(cwd, env_overrides, launcher, *extra):
     else:
         args = ["torch.distributed.launch", "--nproc_per_node=2",
                 f"--master_port={free_port()}"]
-    proc = subprocess.run([sys.executable, "-m", *args, "-m", "commsched.run", SCRIPT, *extra],
-                          env=_env(env_overrides), capture_output=True, text=True,
-                          timeout=240, cwd=str(cwd))
+    proc = run_group([sys.executable, "-m", *args, "-m", "commsched.run", SCRIPT, *extra],
+                     env=_env(env_overrides), cwd=str(cwd), timeout=240)
     # The head has what the ranks printed; the tail, the launcher's summary of who failed.
     assert proc.returncode == 0, proc.stderr[:2000] + "\n[...]\n" + proc.stderr[-2000:]
     return proc

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commsched.hooks
 from commsched import Config
 from commsched.telemetry import TelemetryWarning, load_run
-from distributed import run_workers
+from distributed import run_group, run_workers
 
 from .harness import count_fault, count_hang, note
 
@@ -201,7 +201,7 @@ def test_a_read_only_telemetry_dir_never_aborts_a_launched_rank(tmp_path):
                     "127.0.0.1:0", "--log-dir", str(tmp_path / "logs"), "-m", "commsched.run",
                     EXIT_SCRIPT]
     for launch in range(LAUNCHES):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        proc = run_group(cmd, env=env, timeout=180)
         assert "terminate called" not in proc.stderr, f"launch {launch}: " + proc.stderr[-3000:]
         assert proc.returncode == 0, f"launch {launch}: " + proc.stderr[-3000:]
         assert sorted(l.split()[0] for l in proc.stdout.splitlines()) == ["rank=0", "rank=1"]
