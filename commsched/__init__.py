@@ -9,13 +9,14 @@ collectives, and reports what ran to telemetry.
 import importlib
 
 from .config import Config, ConfigError
-from .errors import CommschedError
+from .errors import CommschedError, CommschedWarning
 from .scheduler import Request, Scheduler, SchedulerError
 
 __version__ = "0.1.0"
 
-__all__ = ["Config", "ConfigError", "CommschedError", "Scheduler", "Request", "SchedulerError",
-           "step", "wrap", "drain", "hooks", "megatron_patches", "__version__"]
+__all__ = ["Config", "ConfigError", "CommschedError", "CommschedWarning", "Scheduler",
+           "Request", "SchedulerError", "step", "wrap", "drain", "hooks", "megatron_patches",
+           "__version__"]
 
 
 def __getattr__(name):

@@ -8,6 +8,7 @@
     commsched trace RUN_DIR -o F       Perfetto/Chrome trace of a run
     commsched floor TORCHRUN_ARGS...   how close a DDP script's step is to the overlap floor
     commsched simulate RUN_DIR ...     project a recorded run to N GPUs / other links
+    commsched --version                commsched's version
 """
 
 from __future__ import annotations
@@ -34,14 +35,16 @@ _COMMANDS = {
 
 def env_main(argv: List[str]) -> int:
     """Print every variable commsched reads, its value here, and whether it is valid."""
+    import dataclasses
     import os
 
-    from .config import ENV_VARS, Config, ConfigError, settings_table
+    from .config import ENV_VARS, Config, ConfigError, settings_table, shown_value
 
     if argv in (["-h"], ["--help"]):
         print("usage: commsched env [--markdown]\n\nList every COMMSCHED_* variable, its value "
-              "here and its meaning; exit 2 if a value is invalid.\n--markdown prints the "
-              "settings table of the README instead (defaults and meanings).")
+              "here (or the default in effect) and its meaning; exit 2 if a value is "
+              "invalid.\n--markdown prints the settings table of the README instead "
+              "(defaults and meanings).")
         return 0
     if argv == ["--markdown"]:
         sys.stdout.write(settings_table())
@@ -49,8 +52,10 @@ def env_main(argv: List[str]) -> int:
     if argv:
         print(f"commsched env: error: unexpected arguments {argv}", file=sys.stderr)
         return 2
+    defaults = {f.metadata["env"]: shown_value(f, f.default) for f in dataclasses.fields(Config)}
     for var, help_text in ENV_VARS.items():
-        print(f"{var:<28} {os.environ.get(var, '(unset)'):<12} {help_text}")
+        value = os.environ.get(var, f"(default {defaults[var]})")
+        print(f"{var:<28} {value:<17} {help_text}")
     try:
         Config.from_env()
     except ConfigError as exc:
@@ -60,7 +65,8 @@ def env_main(argv: List[str]) -> int:
 
 
 def _usage() -> str:
-    lines = ["usage: commsched COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: commsched COMMAND [ARGS...]", "       commsched --version", "",
+             "commands:"]
     lines += [f"  {name:<14} {spec[2]}" for name, spec in _COMMANDS.items()]
     return "\n".join(lines)
 
@@ -70,6 +76,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(), file=sys.stdout if argv else sys.stderr)    # no command: an error
         return 0 if argv else 2
+    if argv == ["--version"]:
+        from . import __version__
+
+        print(f"commsched {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     spec = _COMMANDS.get(command)
     if spec is None:

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Literal, Mapping, Optional, get_args
 
-from .errors import CommschedError
+from .errors import CommschedError, CommschedWarning
 
 __all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "REMOVED",
            "field_docs", "settings_table", "warn_data_parallel_only"]
@@ -237,8 +237,9 @@ class Config:
 
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
         "COMMSCHED_TELEMETRY_DIR"))
-    """Directory for the telemetry store (SQLite, one file per rank) and its exports;
-    unset: no telemetry."""
+    """Directory under which each launch writes a run directory, named by its start time,
+    holding the telemetry store (SQLite, one file per rank); ``commsched report DIR`` reads
+    the newest. Unset: no telemetry."""
 
     nvtx: bool = field(default=False, metadata=_env("COMMSCHED_NVTX"))
     """0 or 1: NVTX ranges around dispatched chunks and iterations (Nsight Systems)."""
@@ -281,6 +282,13 @@ class Config:
         (``commsched.wrap``) which this config sets away from their defaults."""
         return [f.metadata["env"] for f in dataclasses.fields(self)
                 if f.metadata["data_parallel"] and getattr(self, f.name) != f.default]
+
+    def changed_settings(self) -> List[str]:
+        """``VAR=value`` for each setting this config holds away from its default, the
+        master switch aside, in the order of the settings table."""
+        return [f"{f.metadata['env']}={shown_value(f, getattr(self, f.name))}"
+                for f in dataclasses.fields(self)
+                if f.name != "enabled" and getattr(self, f.name) != f.default]
 
     def replace(self, **changes) -> "Config":
         """A copy with ``changes`` applied (and validated)."""
@@ -327,7 +335,8 @@ def warn_data_parallel_only(config: "Config", adapter: str, stacklevel: int = 2)
         warnings.warn(
             f"commsched {adapter}: {', '.join(names)} "
             f"{'is' if len(names) == 1 else 'are'} read by the data-parallel mode "
-            "(commsched.wrap) only and ignored here", UserWarning, stacklevel=stacklevel + 1)
+            "(commsched.wrap) only and ignored here", CommschedWarning,
+            stacklevel=stacklevel + 1)
 
 
 def _parse_field(f: dataclasses.Field, var: str, raw: str):
@@ -412,7 +421,12 @@ ENV_VARS = {f.metadata["env"]: _summary(_DOCS.get(f.name, "")) for f in dataclas
 
 
 def _shown_default(f: dataclasses.Field) -> str:
-    value = f.default
+    return shown_value(f, f.default)
+
+
+def shown_value(f: dataclasses.Field, value) -> str:
+    """``value`` of field ``f`` as its variable would be set (bytes in the largest exact
+    unit, booleans as 0/1), or ``unset``."""
     if value is None:
         return "unset"
     if isinstance(value, bool):

@@ -1,8 +1,17 @@
-"""The base of every error commsched raises: ``except commsched.CommschedError`` catches
-them all. Each error also keeps the standard base that says what kind of failure it is
-(a ``ConfigError`` is a ``ValueError``, a ``SchedulerError`` a ``RuntimeError``)."""
+"""How commsched reports, in one place.
 
-__all__ = ["CommschedError", "SchedulerError"]
+- Errors: every exception commsched raises derives from ``CommschedError`` (``except
+  commsched.CommschedError`` catches them all) and keeps the standard base that says what
+  kind of failure it is (a ``ConfigError`` is a ``ValueError``, a ``SchedulerError`` a
+  ``RuntimeError``). The command-line tools print them as one line.
+- Warnings: what was not done as asked (a setting without effect, a model left alone,
+  telemetry turned off, a fallback) is ``warnings.warn`` with a ``CommschedWarning``, once
+  per cause.
+- Notices: what commsched did, one line on stderr from rank 0 (``commsched.notices``):
+  that it is on and with which settings, where telemetry went.
+"""
+
+__all__ = ["CommschedError", "CommschedWarning", "SchedulerError"]
 
 
 class CommschedError(Exception):
@@ -11,3 +20,8 @@ class CommschedError(Exception):
 
 class SchedulerError(CommschedError, RuntimeError):
     """A request could not be scheduled, or a collective it ran failed."""
+
+
+class CommschedWarning(UserWarning):
+    """Whatever commsched warned about; each kind of warning derives from it
+    (``warnings.simplefilter("error", commsched.CommschedWarning)`` selects them all)."""

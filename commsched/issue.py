@@ -24,6 +24,7 @@ from .collectives import (OptionsByOp, all_gather_options, all_reduce_options, f
                           issue_step, reduce_scatter_options)
 from .observer import DeviceMark
 from .readiness import Marks
+from .workers import retain
 
 __all__ = ["Issuer", "RequestBook"]
 
@@ -155,6 +156,7 @@ class Issuer:
                                end is not None and end is req.done_event)
         else:
             work = chunk.works = issue_step(chunk, step)
+            retain(work)
             completion.add(chunk, step, work, None, None, False)
         if ext is not None:
             ext.issued()

@@ -5,46 +5,51 @@
     torchrun --nproc-per-node 8 -m commsched.run train.py --lr 3e-4
 
 With ``COMMSCHED=1``, every ``DistributedDataParallel`` the script constructs gets the
-commsched hook (``Config.from_env()``), and Megatron-core is patched when the script imports
-it. With ``COMMSCHED`` unset or 0 nothing is patched or registered: the script runs exactly
-as it would without commsched (invariant 3). Settings are validated before the script
-starts, whatever ``COMMSCHED`` says, so a typo never goes unnoticed.
+commsched hook (``Config.from_env()``) at its first forward, unless the script gives it a
+comm hook of its own first, and Megatron-core is patched when the script imports it; rank 0
+says so in one line. With ``COMMSCHED`` unset or 0 nothing is patched or registered: the
+script runs exactly as it would without commsched, and rank 0 warns once about
+``COMMSCHED_*`` settings that then have no effect. Settings are validated before the script
+starts, whatever ``COMMSCHED`` says, so a typo never goes unnoticed. Arguments a launcher
+puts before the script (``--local-rank=N`` from torch.distributed.launch) reach the
+script, as they would without commsched.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
+import warnings
 from typing import List, Optional
 
-from .config import Config, ConfigError
+from . import notices
+from .config import ENV_VARS, Config, ConfigError
+from .errors import CommschedWarning
 
 __all__ = ["main", "install"]
 
 USAGE = "usage: python -m commsched.run [-m MODULE | SCRIPT] [ARGS...]"
 
+# What a launcher puts ahead of the script's own arguments, which are ahead of the
+# script's name here: torch.distributed.launch (without --use-env) passes --local-rank=N
+# (--local_rank=N before torch 2.0) right after the module it runs.
+_INJECTED = re.compile(r"--local[-_]rank=\d+")
+
 _installed: Optional[Config] = None
 
 
 def install(config: Config) -> None:
-    """Make every DistributedDataParallel constructed from now on register the commsched
-    hook, and patch Megatron-core when it is imported. Idempotent."""
+    """Make every DistributedDataParallel constructed from now on get the commsched hook
+    (``commsched.hooks.launched``), and patch Megatron-core when it is imported.
+    Idempotent."""
     global _installed
     if _installed is not None:
         return
-    from torch.nn.parallel import DistributedDataParallel
+    from commsched.hooks import launched
 
-    from commsched.hooks import register
-
-    original_init = DistributedDataParallel.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        register(self, config)
-
-    __init__.__wrapped__ = original_init
-    DistributedDataParallel.__init__ = __init__
+    launched.install(config)
     try:
         from commsched import megatron_patches
     except ImportError:  # pragma: no cover - the package always ships it
@@ -82,8 +87,24 @@ def _unrunnable(module: str) -> str:
     return ""
 
 
+def _warn_without_effect() -> None:
+    """Once, from rank 0: the COMMSCHED_* settings given while COMMSCHED is not 1, which
+    then do nothing here."""
+    names = [var for var in ENV_VARS if var != "COMMSCHED" and var in os.environ]
+    if names and notices.is_rank0():
+        is_, has = ("is", "it has") if len(names) == 1 else ("are", "they have")
+        warnings.warn(
+            f"commsched: {', '.join(names)} {is_} set but COMMSCHED=1 is not: the launcher "
+            f"patches and registers nothing, so {has} no effect unless the script calls "
+            f"commsched itself; set COMMSCHED=1 to turn commsched on", CommschedWarning,
+            stacklevel=3)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    injected = []
+    while argv and _INJECTED.fullmatch(argv[0]):
+        injected.append(argv.pop(0))
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         print(__doc__.split("\n\n")[2] if not argv else __doc__, file=sys.stdout)
@@ -98,15 +119,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if len(argv) < 2:
             print(f"commsched: error: -m needs a module name\n{USAGE}", file=sys.stderr)
             return 2
-        module, args = argv[1], argv[2:]
+        module, args = argv[1], injected + argv[2:]
     else:
-        script, args = argv[0], argv[1:]
+        script, args = argv[0], injected + argv[1:]
         if not os.path.isfile(script):
             print(f"commsched: error: SCRIPT {script!r} is not a file\n{USAGE}",
                   file=sys.stderr)
             return 2
     if config.enabled:
         install(config)
+    else:
+        _warn_without_effect()
     if module is not None:
         problem = _unrunnable(module)
         if problem:

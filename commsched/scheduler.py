@@ -40,6 +40,7 @@ from .observer import IterationRecord
 from .partition import Chunk, partition
 from .safety import check_agreement
 from .topology import Topology, local_size_from_env
+from .workers import keep_past_exit
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
@@ -203,6 +204,7 @@ def _close_at_exit() -> None:
     for scheduler in list(_live):
         if not scheduler._closed:
             scheduler.close()
+    keep_past_exit()
 
 
 class Scheduler:

@@ -9,20 +9,23 @@ on CPU runs, with every rank's work done and the process group destroyed). ``exi
 ends such a process without finalizing the interpreter: nothing is left for the race to
 hit, and the exit status stays 0.
 
-It is for processes that exist only to run one rank (``torch.multiprocessing`` workers: the
-demo, the benchmarks, the tests). A training script launched by ``torchrun`` ends as usual
-unless it calls it itself; with gloo it meets the same race (the launcher test's script
-ends this way).
+``exit_worker`` is for processes that exist only to run one rank (``torch.multiprocessing``
+workers: the demo, the benchmarks, the tests). A training script launched by ``torchrun``
+ends as usual unless it calls it itself. The collectives commsched issues are kept from
+the race there too (``retain``); a script's own and DDP's are not (the launcher test's
+script ends with ``exit_worker``'s steps for that reason).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
+import ctypes
 import os
 import sys
 from typing import NoReturn
 
-__all__ = ["exit_worker"]
+__all__ = ["exit_worker", "retain", "keep_past_exit"]
 
 
 def exit_worker(code: int = 0) -> NoReturn:
@@ -36,3 +39,33 @@ def exit_worker(code: int = 0) -> NoReturn:
         except (AttributeError, OSError, ValueError):
             pass        # closed or replaced by something without flush()
     os._exit(code)
+
+
+
+# How many of the gloo collectives commsched issued last stay referenced (``retain``).
+RECENT_WORKS = 64
+_recent_works: "collections.deque" = collections.deque(maxlen=RECENT_WORKS)
+
+
+def retain(work) -> None:
+    """Keep ``work``, a collective commsched issued on a CPU (gloo) process group,
+    referenced until ``RECENT_WORKS`` newer ones were issued, and past the interpreter's
+    end if it is among them then (``keep_past_exit``).
+
+    A gloo worker thread lets go of each collective it ran a moment after reporting it
+    complete. When its reference is the last, it destroys the collective, and a collective
+    issued from Python holds Python objects (the views of the tensors it reduces; during
+    backward, the context torch keeps in thread-local state), so destroying it takes the
+    GIL. A thread that asks for the GIL after the interpreter began finalizing is ended
+    inside C++, and the process aborts ("terminate called without an active exception").
+    The end of a script comes a few milliseconds after its last backward, so without this
+    the worker's release of the last collectives raced the interpreter's end (seen with a
+    read-only telemetry directory, whose telemetry then costs nothing at exit)."""
+    _recent_works.append(work)
+
+
+def keep_past_exit() -> None:
+    """At exit, once the schedulers are closed: the collectives ``retain`` still holds are
+    never released (the process is ending), so no gloo worker's release is the last."""
+    while _recent_works:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_recent_works.popleft()))

@@ -31,9 +31,20 @@ import torch.distributed as dist
 
 from commsched.adapter import build_scheduler, close
 from commsched.config import Config, warn_data_parallel_only
+from commsched.errors import CommschedError
 from commsched.scheduler import Scheduler
 
-__all__ = ["CommschedState", "commsched_hook", "register"]
+__all__ = ["CommschedState", "commsched_hook", "register", "registered_state", "other_hook",
+           "describe", "HookConflictError", "NotDDPError"]
+
+
+class HookConflictError(CommschedError, RuntimeError):
+    """The commsched hook cannot go on a model that has another comm hook, or commsched's
+    with other settings: DDP takes one hook per model."""
+
+
+class NotDDPError(CommschedError, TypeError):
+    """``register`` was given something other than a DistributedDataParallel."""
 
 
 class CommschedState:
@@ -121,14 +132,66 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
              config: Optional[Config] = None, **state_kwargs) -> "CommschedState":
     """Register the commsched hook on ``ddp_model``; returns its state.
 
-    ``config`` defaults to ``Config.from_env()``. DDP accepts one comm hook per model, so
-    this cannot be combined with another hook.
+    ``config`` defaults to ``Config.from_env()``. Registering again returns the state
+    registered first when it asks for nothing else (no config, or an equal one, and no
+    other argument). DDP accepts one comm hook per model: a model with another hook, or
+    with commsched's under other settings, raises :class:`HookConflictError`; something
+    other than a DistributedDataParallel :class:`NotDDPError`.
 
     Example::
         ddp_model = DistributedDataParallel(model)
         commsched.hooks.register(ddp_model)
     """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise NotDDPError(
+            f"commsched.hooks.register: expected a torch.nn.parallel.DistributedDataParallel, "
+            f"got {type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap the model "
+            f"first: commsched.hooks.register(DistributedDataParallel(model))")
+    existing = registered_state(ddp_model)
+    if existing is not None:
+        if not state_kwargs and (
+                config is None or config.with_policy("priority") == existing.scheduler.config):
+            return existing
+        raise HookConflictError(
+            f"commsched.hooks.register: {describe(ddp_model)} already has the commsched hook, "
+            f"registered with other settings, and DDP takes one hook per model: register it "
+            f"once (with COMMSCHED=1 the launcher registers it at the model's first forward: "
+            f"register yours before that, or give the settings as COMMSCHED_* variables)")
+    other = other_hook(ddp_model)
+    if other is not None:
+        raise HookConflictError(
+            f"commsched.hooks.register: {describe(ddp_model)} already has the comm hook "
+            f"{other}, and DDP takes one hook per model: drop that registration to schedule "
+            f"this model with commsched, or leave commsched off for it")
     state = CommschedState(ddp_model, config, **state_kwargs)
     ddp_model.register_comm_hook(state, commsched_hook)
     return state
+
+
+def registered_state(ddp_model) -> Optional[CommschedState]:
+    """The state of the commsched hook registered on ``ddp_model``, or None."""
+    for hook, state in getattr(ddp_model, "_comm_hooks", ()):
+        if hook is commsched_hook:
+            return state
+    return None
+
+
+def other_hook(ddp_model) -> Optional[str]:
+    """The name of a comm hook other than commsched's that ``ddp_model`` has, or None."""
+    for hook, _ in getattr(ddp_model, "_comm_hooks", ()):
+        if hook is not commsched_hook:
+            return getattr(hook, "__qualname__", None) or repr(hook)
+    try:
+        name = ddp_model._get_ddp_logging_data().get("comm_hook")   # built-in hooks too
+    except (AttributeError, RuntimeError):
+        return None
+    return name if name and name != commsched_hook.__qualname__ else None
+
+
+def describe(ddp_model) -> str:
+    """``DistributedDataParallel(Sequential, 2,177 parameters)``: the wrapped module's
+    class and parameter count, as messages name a model."""
+    module = getattr(ddp_model, "module", ddp_model)
+    count = sum(p.numel() for p in module.parameters())
+    return f"{type(ddp_model).__name__}({type(module).__name__}, {count:,} parameters)"
 

@@ -71,7 +71,7 @@ two alike iterations before it plans.
 
 from __future__ import annotations
 
-import logging
+import os
 import threading
 import warnings
 import weakref
@@ -80,15 +80,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from commsched import notices
 from commsched.adapter import build_scheduler, close
 from commsched.config import Config
+from commsched.errors import CommschedWarning
 from commsched.scheduler import Request, Scheduler
 
 from .versions import MegatronSeries
 
 __all__ = ["Runtime", "BucketGroupHandle", "make_replacements", "PATCHED_METHODS"]
-
-logger = logging.getLogger("commsched.megatron")
 
 PATCHED_METHODS = ("__init__", "start_grad_sync", "finish_grad_sync", "start_param_sync",
                    "finish_param_sync")
@@ -259,7 +259,7 @@ class Runtime:
 
     def member(self, bucket_group, phase: str) -> Optional[_Member]:
         """The member record when this phase of ``bucket_group`` runs through the scheduler;
-        None (after logging the reason once) when megatron's original must run. Called by
+        None (after saying why, once) when megatron's original must run. Called by
         every patched method, forward pre-hooks included: one lookup."""
         member, reason = self._lookup(bucket_group, phase)
         if reason is None:
@@ -294,16 +294,22 @@ class Runtime:
             param = "FP8/FP4 parameters (megatron post-processes their all-gather)"
         return {GRAD_SYNC: grad, PARAM_GATHER: param}
 
-    def _log_fallback(self, phase: str, reason: str, level: int = logging.WARNING) -> None:
+    def _log_fallback(self, phase: str, reason: str, by_design: bool = False) -> None:
+        """Say once per phase and reason that megatron's own method runs: a warning, or a
+        notice where that is by design."""
         what = "gradient sync" if phase == GRAD_SYNC else "parameter all-gather"
         if (what, reason) not in self._logged:
             self._logged.add((what, reason))
-            logger.log(level, "commsched: megatron-core's %s runs as megatron's own method "
-                       "(not scheduled) for %s", what, reason)
+            message = (f"megatron-core's {what} runs as megatron's own method (not "
+                       f"scheduled) for {reason}")
+            if by_design:
+                notices.say(message)
+            else:
+                warnings.warn("commsched: " + message, CommschedWarning, stacklevel=4)
 
     def unscheduled(self, phase: str, name: str, bucket_group, reason: str, **kwargs):
-        """Megatron's own method, by design (not a missing feature): logged once at INFO."""
-        self._log_fallback(phase, reason, logging.INFO)
+        """Megatron's own method, by design (not a missing feature): one notice."""
+        self._log_fallback(phase, reason, by_design=True)
         return self.call_original(name, bucket_group, **kwargs)
 
     def call_original(self, name: str, bucket_group, **kwargs):
@@ -362,11 +368,12 @@ class Runtime:
                 if self.scheduler is None:
                     self.scheduler, self.recorder = build_scheduler(
                         self.config, device, policy="fifo", observer=self.observer)
-                    # Logged here rather than in apply(): megatron sets up logging after
-                    # it imported the module that apply_on_import() patches.
-                    logger.info("commsched: megatron-core %s bucket-group collectives go "
-                                "through the commsched scheduler (%s)", self.version,
-                                self.config)
+                    recorder = self.recorder
+                    notices.started(
+                        f"megatron-core {self.version} bucket-group collectives go through "
+                        f"the scheduler", self.config,
+                        os.path.dirname(recorder.path) if recorder and recorder.enabled
+                        else None)
         return self.scheduler
 
     def close(self, timeout: Optional[float] = 300.0) -> None:
@@ -512,10 +519,10 @@ def make_replacements(runtime: Runtime) -> Dict[str, Callable]:
         if following is None or skip_next_bucket_dispatch:
             return
         if following.param_gather_dispatched:
-            warnings.warn("The next bucket group's parameter all-gather was already "
-                          "dispatched: parameters are registered in a different order than "
-                          "the forward pass uses them, which hurts the overlap of the "
-                          "all-gathers with the forward.")
+            warnings.warn("commsched: the next bucket group's parameter all-gather was "
+                          "already dispatched: parameters are registered in a different "
+                          "order than the forward pass uses them, which hurts the overlap "
+                          "of the all-gathers with the forward.", CommschedWarning)
         else:
             following.start_param_sync()
 

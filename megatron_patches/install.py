@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import logging
 import sys
 import threading
 from typing import Optional
 
+from commsched import notices
 from commsched.config import Config, warn_data_parallel_only
 
 from . import versions
@@ -28,8 +28,6 @@ __all__ = ["apply", "remove", "apply_on_import", "is_applied", "current_runtime"
 
 TARGET = "megatron.core.distributed.param_and_grad_buffer"
 """The module whose ``_ParamAndGradBucketGroup`` is patched."""
-
-logger = logging.getLogger("commsched.megatron")
 
 _lock = threading.RLock()
 _installed = None          # (class, originals, runtime) while applied
@@ -70,7 +68,7 @@ def apply(config: Optional[Config] = None, *, observer=None) -> None:
         for name in PATCHED_METHODS:
             setattr(cls, name, replacements[name])
         _installed = (cls, originals, runtime)
-        logger.info("commsched: megatron-core %s bucket groups patched", version)
+        notices.say(f"megatron-core {version} bucket groups patched")
 
 
 def remove(timeout: Optional[float] = 300.0) -> None:

@@ -13,6 +13,12 @@ original text (quotes, ``$(...)``, ``${...}``, backslash-newline, comments, here
 rewrite is a pure insertion and every other byte (comments, CRLF, trailing blanks) stays.
 Standard library only: this file also runs as ``python megatron_patches/launch_script.py``.
 
+Settings (``--set VAR=VALUE``) go into one marked block of ``export`` lines after the
+shebang. A rerun keeps the settings an earlier run exported unless told to drop them
+(``--unset VAR``, ``--reset``), and every setting is checked as ``Config.from_env()`` will
+check it when the job starts (where commsched is importable): a misspelt name or a bad
+value stops the patch, not the job on the cluster.
+
 Example::
 
     patched = patch_script(open("train.sh").read(), {"COMMSCHED": "1"})
@@ -354,22 +360,51 @@ def _find_launches(text: str, base: int = 0) -> tuple[list[int], int]:
 def _export_block(settings: dict[str, str], newline: str) -> str:
     lines = [_BLOCK_BEGIN]
     for name, value in settings.items():
-        if not isinstance(name, str) or not _SETTING_NAME.match(name):
-            raise LaunchPatchError(
-                f"setting {name!r}: name must match {_SETTING_NAME.pattern}")
         lines.append(f"export {name}={shlex.quote(str(value))}")
     return newline.join(lines + [_BLOCK_END, ""])
 
 
-def _put_export_block(text: str, block: str) -> str:
-    """Replace an earlier block, or insert after the shebang and leading comments/blanks.
+def _exported(text: str) -> dict[str, str]:
+    """The settings the block of an earlier run exports, in order ({} without a block)."""
+    found = _BLOCK_RE.search(text)
+    settings: dict[str, str] = {}
+    for line in found.group(0).splitlines()[1:-1] if found else ():
+        words = shlex.split(line.rstrip("\r"))
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            name, _, value = words[1].partition("=")
+            settings[name] = value
+    return settings
+
+
+def _check_settings(settings: dict[str, str]) -> None:
+    """Names and values as ``Config.from_env()`` checks them when the job starts, where
+    commsched can be imported (run as a file without it: names by pattern only)."""
+    for name in settings:
+        if not isinstance(name, str) or not _SETTING_NAME.match(name):
+            raise LaunchPatchError(
+                f"setting {name!r}: name must match {_SETTING_NAME.pattern}")
+    try:
+        from commsched.config import Config, ConfigError
+    except ImportError:
+        return
+    try:
+        Config.from_env(settings)
+    except ConfigError as e:
+        raise LaunchPatchError(f"setting {e}") from None
+
+
+def _put_export_block(text: str, block: str | None) -> str:
+    """Replace an earlier block (None: remove it), or insert after the shebang and leading
+    comments/blanks.
 
     Blank lines are skipped too: sbatch reads #SBATCH lines only up to the first command,
     and those may be separated by blank lines. The launch line is never a comment, so the
     offset always lands at the start of a line.
     """
     if _BLOCK_RE.search(text):
-        return _BLOCK_RE.sub(lambda _: block, text, count=1)
+        return _BLOCK_RE.sub(lambda _: block or "", text, count=1)
+    if block is None:
+        return text
     offset = 0
     for line in text.splitlines(keepends=True):
         if line.strip() and not line.lstrip().startswith("#"):
@@ -378,26 +413,42 @@ def _put_export_block(text: str, block: str) -> str:
     return text[:offset] + block + text[offset:]
 
 
-def patch_script(text: str, settings: dict[str, str] | None = None) -> str:
+def patch_script(text: str, settings: dict[str, str] | None = None, *,
+                 unset: tuple[str, ...] = (), reset: bool = False) -> str:
     """Return ``text`` with ``-m commsched.run`` inserted before each training entry point.
 
-    ``settings`` (``{"COMMSCHED": "1"}``) become one marked ``export`` block after the
-    shebang and leading comments, replacing a block an earlier run wrote; ``None`` or ``{}``
-    leaves any existing block as it is. Patching a patched script changes nothing.
-    Raises LaunchPatchError when no launch command is recognised or a name is invalid.
+    ``settings`` (``{"COMMSCHED": "1"}``) go into one marked ``export`` block after the
+    shebang and leading comments, together with what the block of an earlier run exports,
+    less the names in ``unset`` (each must be exported there), or without it with ``reset``.
+    Patching a patched script with nothing to change changes nothing. Raises
+    LaunchPatchError when no launch command is recognised, or a setting is not one
+    ``Config.from_env()`` accepts (the message names it).
 
     Example::
 
         patch_script("torchrun $A pretrain_gpt.py\\n")  # 'torchrun $A -m commsched.run pretrain_gpt.py\\n'
     """
     newline = "\r\n" if re.match(r"[^\n]*\r\n", text) else "\n"
-    block = _export_block(settings, newline) if settings else None
+    earlier = _exported(text)
+    merged = {} if reset else dict(earlier)
+    for name in unset:
+        if name not in earlier:
+            raise LaunchPatchError(
+                f"--unset {name}: not exported by an earlier run (exported: "
+                f"{', '.join(earlier) or 'nothing'})")
+        merged.pop(name, None)
+    merged.update(settings or {})
+    rewrite = list(merged.items()) != list(earlier.items())
+    if rewrite:
+        _check_settings(merged)
     inserts, patched = _find_launches(text)
     if not inserts and not patched:
         raise LaunchPatchError(f"no recognisable launch line; recognised shapes:\n{SHAPES}")
     for offset in sorted(set(inserts), reverse=True):
         text = text[:offset] + INSERT + text[offset:]
-    return _put_export_block(text, block) if block else text
+    if not rewrite:
+        return text
+    return _put_export_block(text, _export_block(merged, newline) if merged else None)
 
 
 # --- command line ------------------------------------------------------------------------
@@ -418,7 +469,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"recognised launch shapes:\n{SHAPES}\n\nexit codes:\n"
                "  0  written, or (--check) diff printed / already patched\n"
                "  1  the output could not be written\n"
-               "  2  bad arguments, unreadable SCRIPT, or no recognisable launch line")
+               "  2  bad arguments or settings, unreadable SCRIPT, or no recognisable launch "
+               "line")
     parser.add_argument("script", metavar="SCRIPT", help="the launch shell script")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("-o", "--output", metavar="OUT", help="write here (default: stdout)")
@@ -427,7 +479,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="print a unified diff of the change; write nothing "
                              "(overrides -o/--in-place)")
     parser.add_argument("--set", metavar="VAR=VALUE", action="append", type=_setting,
-                        default=[], help="export a COMMSCHED* variable (repeatable)")
+                        default=[], help="export a COMMSCHED* variable (repeatable); the "
+                                         "ones an earlier run exported stay")
+    parser.add_argument("--unset", metavar="VAR", action="append", default=[],
+                        help="drop a variable an earlier run exported (repeatable)")
+    parser.add_argument("--reset", action="store_true",
+                        help="drop every variable an earlier run exported")
     return parser
 
 
@@ -460,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         _err(f"cannot read {args.script}: {e.strerror or e}")
         return 2
     try:
-        patched = patch_script(text, dict(args.set) or None)
+        patched = patch_script(text, dict(args.set), unset=tuple(args.unset),
+                               reset=args.reset)
     except LaunchPatchError as e:
         _err(f"{args.script}: {e}")
         return 2

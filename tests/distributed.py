@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import socket
+import subprocess
 import time
 
 import torch
@@ -64,3 +66,18 @@ def run_workers(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, en
                     p.kill()
             raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish "
                                f"within {timeout:.0f}s (hang?)")
+
+
+def run_group(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on
+    a timeout the whole process group is killed (a launcher's ranks too, not only the
+    launcher), then ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

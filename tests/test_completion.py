@@ -5,6 +5,7 @@ The collectives are replaced by works whose completion the test controls, on a o
 gloo group, so what the completion thread does is deterministic.
 """
 
+import collections
 import gc
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 
 import commsched.issue
 import commsched.scheduler
+import commsched.workers
 from commsched import Config, Scheduler, SchedulerError
 
 
@@ -129,6 +131,9 @@ def test_completed_chunks_let_go_of_their_collectives(world1, monkeypatch):
         return work
 
     monkeypatch.setattr(commsched.issue, "issue_step", issue_step)
+    # (gloo collectives are also kept, deliberately and a bounded number, for the end of
+    # the process: commsched.workers.retain; not here)
+    monkeypatch.setattr(commsched.workers, "_recent_works", collections.deque(maxlen=0))
     gc.disable()                  # reference counting only
     sched = Scheduler(Config(partition_bytes=1024))
     try:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commsched.hooks
-from commsched import Config
+from commsched import CommschedWarning, Config
 from distributed import run_workers
 
 
@@ -135,11 +135,11 @@ def _dp_only_settings_warn(rank, world):
         warnings.simplefilter("always")
         commsched.hooks.register(ddp, Config(grad_reduce_dtype="bfloat16")).close()
         commsched.hooks.register(DDP(Net()), Config(partition_bytes=1 << 20)).close()
-    messages = [str(w.message) for w in caught if w.category is UserWarning]
+    messages = [str(w.message) for w in caught if w.category is CommschedWarning]
     assert messages == ["commsched DDP hook: COMMSCHED_GRAD_REDUCE_DTYPE is read by the "
                         "data-parallel mode (commsched.wrap) only and ignored here"], messages
     # (pointing at the caller of register)
-    assert [w.filename for w in caught if w.category is UserWarning] == [__file__]
+    assert [w.filename for w in caught if w.category is CommschedWarning] == [__file__]
 
 
 def test_the_hook_warns_of_data_parallel_only_settings():

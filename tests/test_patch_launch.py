@@ -51,7 +51,8 @@ EXPECTED = {
     "sbatch_heredoc_cmd.sh":
         "\\${PROFILE_CMD} python -m commsched.run ${MEGATRON_PATH}/pretrain_gpt.py",
 }
-SETTINGS = {"COMMSCHED": "1", "COMMSCHED_CREDIT_BYTES": "8MiB", "COMMSCHED_TAG": "run a&b"}
+SETTINGS = {"COMMSCHED": "1", "COMMSCHED_CREDIT_BYTES": "8MiB",
+            "COMMSCHED_TELEMETRY_DIR": "run a&b"}
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
 
@@ -184,19 +185,35 @@ def test_export_block_follows_sbatch_header_and_comments():
     assert lines[begin + 1] == "export COMMSCHED=1"
 
 
-def test_rerun_with_other_settings_replaces_the_block():
-    once = patch_script(read("torchrun_basic.sh"), {"COMMSCHED": "1", "COMMSCHED_X": "2"})
-    twice = patch_script(once, {"COMMSCHED": "0"})
-    assert twice == patch_script(read("torchrun_basic.sh"), {"COMMSCHED": "0"})
-    assert "COMMSCHED_X" not in twice
+def test_rerun_with_other_settings_keeps_the_earlier_ones_in_one_block():
+    once = patch_script(read("torchrun_basic.sh"),
+                        {"COMMSCHED": "1", "COMMSCHED_POLICY": "fifo"})
+    twice = patch_script(once, {"COMMSCHED": "0", "COMMSCHED_VERIFY": "1"})
+    assert twice == patch_script(read("torchrun_basic.sh"), {
+        "COMMSCHED": "0", "COMMSCHED_POLICY": "fifo", "COMMSCHED_VERIFY": "1"})
+    assert split_export_block(twice)[1] == [
+        "export COMMSCHED=0", "export COMMSCHED_POLICY=fifo", "export COMMSCHED_VERIFY=1"]
+
+
+def test_unset_and_reset_drop_earlier_settings():
+    once = patch_script(read("torchrun_basic.sh"),
+                        {"COMMSCHED": "1", "COMMSCHED_POLICY": "fifo"})
+    assert split_export_block(patch_script(once, unset=("COMMSCHED_POLICY",)))[1] == [
+        "export COMMSCHED=1"]
+    assert split_export_block(patch_script(once, {"COMMSCHED_VERIFY": "1"}, reset=True))[1] \
+        == ["export COMMSCHED_VERIFY=1"]
+    assert patch_script(once, reset=True) == patch_script(read("torchrun_basic.sh"))
+    with pytest.raises(LaunchPatchError, match="--unset COMMSCHED_VERIFY: not exported by an "
+                                               "earlier run"):
+        patch_script(once, unset=("COMMSCHED_VERIFY",))
 
 
 @needs_bash
 def test_exported_values_reach_the_shell_unchanged(tmp_path):
     value = "a b $HOME 'q' \"d\" `x` \\"
-    script = patch_script("#!/bin/bash\ntorchrun a.py\n", {"COMMSCHED_TAG": value})
+    script = patch_script("#!/bin/bash\ntorchrun a.py\n", {"COMMSCHED_TELEMETRY_DIR": value})
     block = "".join(line for line in script.splitlines(True) if line.startswith("export"))
-    out = subprocess.run(["bash", "-c", block + 'printf %s "$COMMSCHED_TAG"'],
+    out = subprocess.run(["bash", "-c", block + 'printf %s "$COMMSCHED_TELEMETRY_DIR"'],
                          capture_output=True, text=True, check=True).stdout
     assert out == value
 
@@ -342,6 +359,32 @@ def test_cli_rejects_a_bad_set(cli, script, arg):
     code, out, err = cli("--in-place", "--set", arg, str(script))
     assert code == 2 and out == "" and script.read_bytes() == before
     assert "--set" in err and arg in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("COMMSCHED_POLCY=fifo", "COMMSCHED_POLCY: unknown commsched variable; did you mean "
+                             "COMMSCHED_POLICY?"),
+    ("COMMSCHED_POLICY=nope", "COMMSCHED_POLICY='nope': expected one of priority, fifo"),
+    ("COMMSCHED_CREDIT_BYTES=4 MiBs", "COMMSCHED_CREDIT_BYTES='4 MiBs': expected a byte count"),
+])
+def test_cli_rejects_a_setting_the_job_would_reject(cli, script, arg, message):
+    """commsched patch-launch --set COMMSCHED_POLCY=fifo / COMMSCHED_POLICY=nope"""
+    before = script.read_bytes()
+    code, out, err = cli("--in-place", "--set", "COMMSCHED=1", "--set", arg, str(script))
+    assert (code, out) == (2, "") and script.read_bytes() == before
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_cli_rerun_keeps_the_settings_of_the_earlier_run(cli, script):
+    assert cli("--in-place", "--set", "COMMSCHED=1", "--set", "COMMSCHED_POLICY=fifo",
+               str(script))[0] == 0
+    assert cli("--in-place", "--set", "COMMSCHED_CREDIT_BYTES=8MiB", str(script))[0] == 0
+    assert split_export_block(script.read_text())[1] == [
+        "export COMMSCHED=1", "export COMMSCHED_POLICY=fifo",
+        "export COMMSCHED_CREDIT_BYTES=8MiB"]
+    assert cli("--in-place", "--unset", "COMMSCHED_POLICY", str(script))[0] == 0
+    assert split_export_block(script.read_text())[1] == [
+        "export COMMSCHED=1", "export COMMSCHED_CREDIT_BYTES=8MiB"]
 
 
 def test_cli_missing_script_exits_2_without_traceback(cli, tmp_path):

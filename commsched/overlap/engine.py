@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from commsched.adapter import build_scheduler
 from commsched.config import MAX_BYTES, Config
+from commsched.errors import CommschedWarning
 from commsched.scheduler import Scheduler
 
 from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
@@ -48,7 +49,7 @@ from .update import PER_GROUP, params_by_group, snapshot, step_subset, update_mo
 __all__ = ["OverlapEngine", "OverlapWarning", "WHOLE", "sibling_group"]
 
 
-class OverlapWarning(UserWarning):
+class OverlapWarning(CommschedWarning):
     """Overlap mode fell back to synchronous behaviour for a reason the user can fix."""
 
 

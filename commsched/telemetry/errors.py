@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import CommschedError
+from ..errors import CommschedError, CommschedWarning
 
 __all__ = ["TelemetryError", "TelemetryWarning"]
 
@@ -12,6 +12,6 @@ class TelemetryError(CommschedError):
     the ``commsched report`` / ``commsched trace`` CLIs print it without a traceback."""
 
 
-class TelemetryWarning(RuntimeWarning):
+class TelemetryWarning(CommschedWarning, RuntimeWarning):
     """Telemetry was disabled (unwritable directory, disk full, ...). Training goes on; the
     warning is issued once per recorder so a failing disk does not flood the log."""

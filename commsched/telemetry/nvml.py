@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import CommschedError
+from .errors import TelemetryWarning
 
 __all__ = [
     "FIELD", "SCOPE_ALL_LINKS", "MAX_LINKS", "NvmlUnavailable", "GpuInfo", "LinkInfo",
@@ -231,7 +232,7 @@ class PynvmlBackend:
         filled with a sentinel and checked after each call. A library that writes past
         the entries it was given (seen as heap corruption, ``free(): invalid next size``,
         in processes sampling per-link counters) then writes into the guard rather than
-        the heap, and the write is reported once as a RuntimeWarning."""
+        the heap, and the write is reported once as a TelemetryWarning."""
         key = (index, tuple(fields))
         buffer = self._buffers.get(key)
         if buffer is None:
@@ -275,7 +276,7 @@ class _FieldBuffer:
             if not self.warned:
                 self.warned = True
                 warnings.warn(f"NVML wrote past the {n} field values it was asked for; the "
-                              "guard entries kept it off the heap", RuntimeWarning)
+                              "guard entries kept it off the heap", TelemetryWarning)
         if ret != 0:
             raise self.nv.NVMLError(ret)
         return [_field_value(array[i]) for i in range(n)]

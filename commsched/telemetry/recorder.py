@@ -25,15 +25,16 @@ import time
 import warnings
 from typing import List, Optional
 
+from .. import notices
 from ..observer import ChunkRecord, IterationRecord, Observer
 from . import nvtx_ranges
 from .errors import TelemetryWarning
 from .nvml import GpuSelector, NvmlBackend, PynvmlBackend
 from .sampler import NvlinkSampler, NvmlStatus
-from .store import create_store, json_dumps, rank_path
+from .store import create_store, json_dumps, rank_path, run_name
 from .writer import StepMarker, StoreWriter, TuningDecision
 
-__all__ = ["Recorder", "open_recorder", "step", "active_recorders"]
+__all__ = ["Recorder", "open_recorder", "step", "active_recorders", "launch_run_dir"]
 
 _active: List["Recorder"] = []
 _active_lock = threading.Lock()
@@ -163,6 +164,9 @@ class Recorder(Observer):
             self._sampler.stop(timeout)     # posts its final sample before the close marker
         if self._writer is not None:
             self._writer.close(timeout)
+            if self.rank == 0 and self._writer.failed is None:
+                run_dir = os.path.dirname(self.path)
+                notices.say(f"telemetry written to {run_dir} (commsched report {run_dir})")
 
     def __enter__(self) -> "Recorder":
         return self
@@ -217,12 +221,36 @@ _CONFIG_KNOBS = {
 
 def open_rank_recorder(config, device) -> "Recorder":
     """The recorder of this process's rank in the default process group, for the tensors on
-    ``device``: what every adapter (DDP hook, data-parallel mode, Megatron) opens."""
+    ``device``: what every adapter (DDP hook, data-parallel mode, Megatron) opens. Its store
+    goes into this launch's run directory under ``config.telemetry_dir``
+    (``launch_run_dir``)."""
     import torch.distributed as dist
 
     local_rank = (device.index or 0) if device.type == "cuda" else 0
+    if getattr(config, "telemetry_dir", None):
+        config = config.replace(telemetry_dir=launch_run_dir(config.telemetry_dir))
     return open_recorder(config, rank=dist.get_rank(), world_size=dist.get_world_size(),
                          local_rank=local_rank, device=device)
+
+
+_RUN_KEY = "commsched/telemetry_run"
+
+
+def launch_run_dir(parent: str) -> str:
+    """This launch's run directory under ``parent``, the same on every rank without a
+    collective: the first rank to ask names it by its start time (``run_name``) and puts
+    the name in the default process group's store, where the others read it (a
+    compare-and-set, so whichever rank comes first wins). A process whose group has no
+    store names it alone."""
+    name = run_name(parent)
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        agreed = _get_default_store().compare_set(_RUN_KEY, "", name)
+        name = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    except Exception:  # no store of this kind: this rank's own name
+        pass
+    return os.path.join(parent, name)
 
 
 def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, device=None,
@@ -232,8 +260,9 @@ def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, de
     """Open the telemetry recorder of one rank.
 
     ``config`` is a :class:`commsched.config.Config`; ``config.telemetry_dir`` is the run
-    directory (None: a disabled recorder is returned) and ``config.nvtx`` turns on NVTX
-    iteration ranges. The rank's store is ``<telemetry_dir>/rank<rank>.sqlite``.
+    directory (None: a disabled recorder is returned; the adapters pass a new one per
+    launch, see ``open_rank_recorder``) and ``config.nvtx`` turns on NVTX iteration
+    ranges. The rank's store is ``<telemetry_dir>/rank<rank>.sqlite``.
 
     ``device`` is the rank's CUDA device (index, ``"cuda:1"``, ``torch.device``; None: the
     current CUDA device if CUDA is available, else no GPU). ``nvml_period_ms`` is the NVLink

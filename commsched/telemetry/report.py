@@ -53,6 +53,7 @@ def report_from_run(run: RunData, iterations=None, ranks=None) -> dict:
     result = analyze(run, iterations, ranks, floor)
     result["floor_note"] = note
     result["run_dir"] = run.run_dir
+    result["other_runs"], result["skipped"] = run.other_runs, run.skipped
     result["summary"] = {str(k): v for k, v in result["summary"].items()}
     for r in result["rows"]:
         r["link_tx_bytes"] = {str(k): v for k, v in r["link_tx_bytes"].items()}
@@ -175,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, description="Per-iteration communication report of a commsched telemetry "
                                "run directory, with the likely cause of slow iterations.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the COMMSCHED_TELEMETRY_DIR of the run")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory, or the COMMSCHED_TELEMETRY_DIR holding them (the "
+                        "newest is read, the others listed)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="OUT.png",
                    help="draw a compute-vs-comm timeline, NVLink GB/s per iteration, and "
@@ -194,6 +197,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return int(exc.code or 0)
     try:
         run = load_run(args.run_dir)
+        for note in run.notes():
+            print(f"{PROG}: {note}", file=sys.stderr)
         report = report_from_run(run, args.iterations, args.rank)
         if not report["rows"] and (args.iterations is not None or args.rank):
             raise TelemetryError(f"{args.run_dir}: no iterations match the --iterations / "

@@ -20,6 +20,12 @@ tuning             the autotuner's decisions (``Scheduler.tuning_log``); created
 Each rank writes its own file (``rank{r}.sqlite``) so that processes never contend for
 SQLite's write lock; WAL mode lets ``commsched report`` read a run that is still going, and a
 committed transaction survives the writer being SIGKILLed.
+
+Run directories: each launch writes into a new directory under ``COMMSCHED_TELEMETRY_DIR``,
+named by its start time (``run_name``), so that a reused directory is never overwritten and
+runs of different sizes never mix. :func:`load_run` takes either one run directory or a
+directory of them, where it reads the newest (the last by name) and lists the others. A
+rank's store that cannot be read is skipped and reported, as long as another one can be.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ import re
 import shutil
 import sqlite3
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from .errors import TelemetryError
 
 __all__ = ["SCHEMA_NAME", "SCHEMA_VERSION", "TABLES", "OPTIONAL_TABLES", "create_store",
-           "rank_path",
+           "rank_path", "run_name", "find_runs",
            "RunData", "load_run", "json_dumps"]
 
 SCHEMA_NAME = "commsched-telemetry"
@@ -101,6 +108,42 @@ def rank_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"rank{rank}.sqlite")
 
 
+def run_name(parent: str, now: Optional[float] = None) -> str:
+    """A new run directory's name under ``parent``: its start time, local, to the
+    millisecond (``20261128-214502-123``), so that names sort by start; a suffix where
+    ``parent`` already holds one so named."""
+    now = time.time() if now is None else now
+    name = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+    taken, n = name, 1
+    while os.path.exists(os.path.join(parent, taken)):
+        n += 1
+        taken = f"{name}-{n}"
+    return taken
+
+
+def _has_stores(path: str) -> bool:
+    try:
+        return any(_RANK_FILE.match(entry) for entry in os.listdir(path))
+    except OSError:
+        return False
+
+
+def find_runs(path: str) -> List[str]:
+    """The run directories in ``path``, oldest first: ``path`` itself where it holds rank
+    stores (a run written before run directories, or by ``open_recorder`` directly), then
+    its subdirectories holding them, by name (their start time)."""
+    subdirs = []
+    try:
+        entries = sorted(os.listdir(path))
+    except OSError:
+        entries = []
+    for entry in entries:
+        sub = os.path.join(path, entry)
+        if os.path.isdir(sub) and _has_stores(sub):
+            subdirs.append(sub)
+    return ([path] if _has_stores(path) else []) + subdirs
+
+
 def create_store(path: str, *, max_bytes: Optional[int] = None) -> sqlite3.Connection:
     """Create (or truncate) a rank's store and return a connection usable from another thread.
 
@@ -148,6 +191,22 @@ class RunData:
     run_dir: str
     files: List[str]
     tables: Dict[str, List[dict]] = field(default_factory=dict)
+    other_runs: List[str] = field(default_factory=list)     # beside it, oldest first
+    skipped: List[str] = field(default_factory=list)        # "file: why it was not read"
+
+    def notes(self) -> List[str]:
+        """One line per thing a reader should know besides the tables: the other runs of
+        the directory it was asked for, and the stores skipped."""
+        lines = []
+        if self.other_runs:
+            parent = os.path.dirname(self.run_dir)
+            lines.append(
+                f"read {self.run_dir}, the newest of {len(self.other_runs) + 1} runs in "
+                f"{parent}; the others: "
+                + ", ".join(os.path.relpath(r, parent) if r != parent else
+                            "the rank stores in it" for r in self.other_runs))
+        lines += [f"skipped {reason}" for reason in self.skipped]
+        return lines
 
     @property
     def ranks(self) -> List[int]:
@@ -179,23 +238,40 @@ _ORDER = {
 
 
 def load_run(run_dir: str) -> RunData:
-    """Open every ``rank*.sqlite`` of ``run_dir`` read-only and merge their tables.
+    """Open every ``rank*.sqlite`` of a run read-only and merge their tables: of
+    ``run_dir`` itself, or of the newest run directory in it (see the module docstring;
+    ``RunData.other_runs`` lists the others).
 
-    Raises :class:`TelemetryError` with a one-line reason when the directory holds no store, or
-    a file is not a SQLite database, or is a database of something else, or a newer schema.
+    A store that is not a SQLite database, or is a database of something else, or of a
+    newer schema, is skipped (``RunData.skipped`` says why). Raises
+    :class:`TelemetryError` with a one-line reason when the directory holds no store or
+    none that can be read.
     """
     if not os.path.isdir(run_dir):
         raise TelemetryError(f"{run_dir}: not a directory")
-    files = sorted((p for p in glob.glob(os.path.join(glob.escape(run_dir), "rank*.sqlite"))
+    runs = find_runs(run_dir)
+    if not runs:
+        raise TelemetryError(f"{run_dir}: no telemetry store (expected rank<N>.sqlite files, "
+                             f"or run directories holding them; is COMMSCHED_TELEMETRY_DIR "
+                             f"pointing here?)")
+    chosen = runs[-1]
+    files = sorted((p for p in glob.glob(os.path.join(glob.escape(chosen), "rank*.sqlite"))
                     if _RANK_FILE.match(os.path.basename(p))),
                    key=lambda p: int(_RANK_FILE.match(os.path.basename(p)).group(1)))
-    if not files:
-        raise TelemetryError(f"{run_dir}: no telemetry store (expected rank<N>.sqlite files; "
-                             f"is COMMSCHED_TELEMETRY_DIR pointing here?)")
-    run = RunData(run_dir, files, {name: [] for name in TABLES if name != "meta"})
+    run = RunData(chosen, [], {name: [] for name in TABLES if name != "meta"},
+                  other_runs=runs[:-1])
     for path in files:
-        for name, rows in _read_file(path).items():
+        try:
+            tables = _read_file(path)
+        except TelemetryError as exc:
+            run.skipped.append(str(exc))
+            continue
+        run.files.append(path)
+        for name, rows in tables.items():
             run.tables.setdefault(name, []).extend(rows)
+    if not run.files:
+        more = len(run.skipped) - 1
+        raise TelemetryError(run.skipped[0] + (f" (and {more} more unreadable)" if more else ""))
     return run
 
 

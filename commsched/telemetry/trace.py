@@ -240,7 +240,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        trace = build_trace(load_run(args.run_dir))
+        run = load_run(args.run_dir)
+        for note in run.notes():
+            print(f"{PROG}: {note}", file=sys.stderr)
+        trace = build_trace(run)
         _write_atomic(args.output, trace)
     except TelemetryError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

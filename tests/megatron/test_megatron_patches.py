@@ -5,8 +5,8 @@ multi-process comparisons with stock megatron-core are in test_megatron_equivale
 
 import importlib
 import inspect
-import logging
 import sys
+import warnings
 
 import pytest
 
@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 
 import commsched.megatron_patches as mp  # noqa: E402
-from commsched import Config  # noqa: E402
+from commsched import CommschedWarning, Config  # noqa: E402
 from commsched.megatron_patches import versions  # noqa: E402
 from commsched.megatron_patches.bucket_group import (  # noqa: E402
     GRAD_SYNC, PARAM_GATHER, PATCHED_METHODS, GroupState)
@@ -261,15 +261,30 @@ def test_quantized_parameters_keep_megatrons_all_gather():
     assert "FP8/FP4" in runtime.unsupported_reason(bucket_group, PARAM_GATHER)
 
 
-def test_bucket_groups_built_before_apply_are_left_alone_and_logged_once(caplog):
+def test_bucket_groups_built_before_apply_are_left_alone_with_one_warning():
     bucket_group = _bucket_group(use_distributed_optimizer=True)
     mp.apply(Config())
     runtime = mp.current_runtime()
-    with caplog.at_level(logging.WARNING, logger="commsched.megatron"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert runtime.member(bucket_group, GRAD_SYNC) is None
         assert runtime.member(bucket_group, GRAD_SYNC) is None
-    assert len(caplog.records) == 1
-    assert "constructed before commsched.megatron_patches.apply()" in caplog.text
+    assert [w.category for w in caught] == [CommschedWarning]
+    assert "constructed before commsched.megatron_patches.apply()" in str(caught[0].message)
+
+
+def test_apply_and_fallbacks_by_design_are_one_notice_each_on_stderr(capsys):
+    mp.apply(Config())
+    assert capsys.readouterr().err == (
+        f"commsched: megatron-core {versions.megatron_version()} bucket groups patched\n")
+    runtime = mp.current_runtime()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # a notice, not a warning
+        for _ in range(2):
+            runtime._log_fallback(PARAM_GATHER, "a reason by design", by_design=True)
+    assert capsys.readouterr().err == (
+        "commsched: megatron-core's parameter all-gather runs as megatron's own method "
+        "(not scheduled) for a reason by design\n")
 
 
 # ---- priorities ------------------------------------------------------------------------------

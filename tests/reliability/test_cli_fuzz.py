@@ -91,7 +91,7 @@ def curated() -> List[Case]:
     C = Case
     cases = [
         C([], mentions=["usage"], note="no command"),
-        C(["--version"], mentions=["unknown command"]),
+        C(["--version", "extra"], mentions=["unknown command"]),
         C([""], mentions=["unknown command"]),
         C(["DEMO"], mentions=["unknown command"]),
         C(["patch_launch"], mentions=["did you mean 'patch-launch'"]),

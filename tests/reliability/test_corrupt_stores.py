@@ -1,12 +1,12 @@
 """``commsched report`` / ``commsched trace`` on run directories that are not what they claim.
 
 Specification (store.load_run, report.py, trace.py): a run directory that holds no store, or
-a ``rank<N>.sqlite`` that is not a readable commsched telemetry store (random bytes, a
+whose only ``rank<N>.sqlite`` is not a readable commsched telemetry store (random bytes, a
 directory, a FIFO, text, another application's SQLite database, a newer schema, a truncated
-file),
-gives exit status 2 and a one-line message naming the offending file or directory, with no
-traceback; ``trace`` then writes no output file. ``load_run`` raises ``TelemetryError`` and
-nothing else.
+file), gives exit status 2 and a one-line message naming the offending file or directory,
+with no traceback; ``trace`` then writes no output file. ``load_run`` raises
+``TelemetryError`` and nothing else. A run with a readable store beside an unreadable one
+is read: the unreadable one is skipped, named in one line on stderr.
 """
 
 from __future__ import annotations
@@ -100,10 +100,6 @@ def build_bad_runs(root, stores) -> dict:
     shutil.copy(stores["closed"], f)
     _sqlite(f, ["UPDATE meta SET value = 'one' WHERE key = 'version'"])
     runs[d.name] = (d, f)
-    d, f = rank0("good_rank0_bad_rank1")
-    shutil.copy(stores["closed"], f)
-    (d / "rank1.sqlite").write_bytes(rng.randbytes(2 * PAGE))
-    runs[d.name] = (d, d / "rank1.sqlite")
     d = root / "empty_dir"
     d.mkdir()
     runs[d.name] = (d, d)
@@ -175,6 +171,22 @@ def test_report_and_trace_reject_corrupt_and_foreign_run_directories(stores, tmp
     failures = [line for lines in run_parallel(check, sorted(runs.items()), workers=3)
                 for line in lines]
     assert not failures, "\n".join(failures)
+
+
+def test_a_corrupt_rank_store_beside_a_good_one_is_skipped_and_named(stores, tmp_path):
+    run_dir = tmp_path / "good_rank0_bad_rank1"
+    run_dir.mkdir()
+    shutil.copy(stores["closed"], run_dir / "rank0.sqlite")
+    (run_dir / "rank1.sqlite").write_bytes(random.Random(SEED).randbytes(2 * PAGE))
+    count_fault("corrupt store beside a good one (report+trace)", 2)
+    for cmd in ("report", "trace"):
+        argv = [cmd, str(run_dir)] + (["-o", "trace.json"] if cmd == "trace" else [])
+        r = run_forked("cli", argv, cwd=str(tmp_path), timeout=120)
+        assert r.rc == 0, r.describe()
+        assert r.stderr == (f"commsched {cmd}: skipped {run_dir / 'rank1.sqlite'}: cannot "
+                            f"open: file is not a database\n"), r.describe()
+    out = run_forked("cli", ["report", str(run_dir)], timeout=120).stdout
+    assert "rank 0/2 on" in out and "rank 1/2 on" not in out
 
 
 def test_a_killed_writers_store_with_a_truncated_wal_reads_or_fails_cleanly(stores, tmp_path):

@@ -21,8 +21,13 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
+import subprocess
+import sys
 import warnings
+
+import pytest
 
 import torch
 import torch.nn as nn
@@ -31,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commsched.hooks
 from commsched import Config
 from commsched.telemetry import TelemetryWarning, load_run
-from distributed import run_workers
+from distributed import run_group, run_workers
 
 from .harness import count_fault, count_hang, note
 
@@ -153,3 +158,53 @@ def test_training_continues_with_one_warning_when_telemetry_cannot_be_written(tm
         run = load_run(str(tmp_path / name / "run"))
         assert run.iterations, name
         assert len({i["iteration"] for i in run.iterations}) < STEPS, name
+
+
+EXIT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "fixtures", "scripts",
+                           "train_ddp_exit.py")
+LAUNCHES = 3
+
+
+def _unprivileged(probe_dir):
+    """The argv prefix under which a mode 0o500 directory refuses writes: nothing for a
+    user; for root, setpriv dropping the capability that overrides file modes. None where
+    that cannot be had."""
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            return None
+        prefix = [setpriv, "--bounding-set", "-dac_override,-dac_read_search",
+                  "--inh-caps", "-all", "--"]
+    probe = os.path.join(probe_dir, "probe")
+    r = subprocess.run(prefix + [sys.executable, "-c", f"open({probe!r}, 'w')"],
+                       capture_output=True, timeout=60)
+    return prefix if r.returncode != 0 else None
+
+
+def test_a_read_only_telemetry_dir_never_aborts_a_launched_rank(tmp_path):
+    """COMMSCHED=1 with COMMSCHED_TELEMETRY_DIR in a read-only directory, under torchrun, a
+    script that ends by returning: each rank warns once that telemetry is off and ends
+    with status 0. The race this guards against (a gloo worker releasing commsched's last
+    collective while the interpreter finalizes, see commsched/workers.py) aborted about
+    one launch in three; ``LAUNCHES`` launches catch it most of the time."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    prefix = _unprivileged(str(ro))
+    if prefix is None:
+        pytest.skip("cannot make a directory read-only for the ranks (root without setpriv)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
+    env.update({"COMMSCHED": "1", "COMMSCHED_TELEMETRY_DIR": str(ro / "runs")})
+    cmd = prefix + [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    "--master-port", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "127.0.0.1:0", "--log-dir", str(tmp_path / "logs"), "-m", "commsched.run",
+                    EXIT_SCRIPT]
+    for launch in range(LAUNCHES):
+        proc = run_group(cmd, env=env, timeout=180)
+        assert "terminate called" not in proc.stderr, f"launch {launch}: " + proc.stderr[-3000:]
+        assert proc.returncode == 0, f"launch {launch}: " + proc.stderr[-3000:]
+        assert sorted(l.split()[0] for l in proc.stdout.splitlines()) == ["rank=0", "rank=1"]
+        for rank in (0, 1):
+            assert proc.stderr.count(f"commsched telemetry disabled for rank {rank}:") == 1
+    assert os.listdir(ro) == []
