@@ -11,8 +11,8 @@ import importlib
 from .config import Config, ConfigError
 from .errors import CommschedError, CommschedWarning
 from .scheduler import Request, Scheduler, SchedulerError
+from .version import __version__
 
-__version__ = "0.1.0"
 
 __all__ = ["Config", "ConfigError", "CommschedError", "CommschedWarning", "Scheduler",
            "Request", "SchedulerError", "step", "wrap", "drain", "hooks", "megatron_patches",

@@ -77,7 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_usage(), file=sys.stdout if argv else sys.stderr)    # no command: an error
         return 0 if argv else 2
     if argv == ["--version"]:
-        from . import __version__
+        from .version import __version__
 
         print(f"commsched {__version__}")
         return 0

@@ -47,7 +47,7 @@ def say(message: str) -> None:
 def started(what: str, config, telemetry_dir: Optional[str] = None) -> None:
     """The start-up line: commsched's version, what it put in place (``what``), the
     settings ``config`` holds away from their defaults, and where telemetry goes."""
-    from . import __version__
+    from .version import __version__
 
     changed = [s for s in config.changed_settings()
                if not (telemetry_dir and s.startswith("COMMSCHED_TELEMETRY_DIR="))]
