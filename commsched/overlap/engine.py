@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from commsched.adapter import build_scheduler
 from commsched.config import MAX_BYTES, Config
-from commsched.errors import CommschedWarning
+from commsched.errors import CommschedError, CommschedWarning
 from commsched.scheduler import Scheduler
 
 from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
@@ -146,6 +146,7 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         self._adopt_existing_grads()
         self._assign_owners()
 
+        self.closed = False     # released (close(), or the wrapped model dropped)
         self._iter = 0          # synchronised iterations ended so far
         self._bw = False        # inside a synchronised backward (hooks fired, callback queued)
         self._bw_iter = -1      # iteration collected by the current backward
@@ -276,6 +277,7 @@ class OverlapEngine(GradientSubmission, DeferredActions):
     def before_forward(self, sync: bool) -> None:
         """Called by the wrapper at the start of forward. Buffers are broadcast from rank 0
         before a forward that follows a synchronised training forward, as DDP does."""
+        self._check_open("a forward")
         if self._buffers_stale and self.buffer_group is not None:
             _broadcast(self.buffers, self.buffer_group, self.src)
         grad = torch.is_grad_enabled()
@@ -284,7 +286,13 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         if grad:
             self.sync = sync
 
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise CommschedError(f"commsched.wrap: {what} after the wrapped model was closed "
+                                 "(model.close(), or the model dropped)")
+
     def step(self, kwargs: dict) -> None:
+        self._check_open("optimizer.step()")
         self._finish_backward()
         if self.mode != PER_GROUP:
             self.settle_all()
@@ -300,6 +308,7 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         self._recorder_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open("optimizer.zero_grad()")
         self._add_actions((ZERO, set_to_none))
         for _, params in self.local:
             for p in params:
@@ -359,8 +368,21 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         self._assign_owners()
 
     def close(self) -> None:
-        """Drain, remove every hook and stop the scheduler's threads."""
-        self.drain()
+        """Drain, then release what the engine holds (``release``)."""
+        if not self.closed:
+            self.drain()
+            self.release()
+
+    def release(self) -> None:
+        """Remove every hook, stop the scheduler's threads and destroy the engine's own
+        process groups, with no collective and no wait for pending updates: what happens
+        once the wrapped model and optimizer were dropped (see ``wrap``), after which
+        nothing refers to the engine, the model or the optimizer state any more. The
+        hooks are what held them: autograd keeps a parameter's hooks alive from C++, where
+        the cycle collector cannot see that they refer back to the engine. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
         self.remove_hooks()
         self.scheduler.close()
         if self.recorder is not None:

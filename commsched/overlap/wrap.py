@@ -15,6 +15,7 @@ waits (in a forward pre-hook) only for its own group's request and update.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import OrderedDict
 from typing import Optional, Tuple
 
@@ -71,7 +72,9 @@ class OverlapDataParallel(torch.nn.Module):
         self._engine.drain()
 
     def close(self) -> None:
-        """Drain, remove overlap mode's hooks and stop its scheduler threads."""
+        """Drain, remove the data-parallel mode's hooks and stop its scheduler threads: for
+        a model that stays referenced but is done with (dropping the model and its
+        optimizer does the same, without the drain)."""
         self._engine.close()
 
 
@@ -199,7 +202,35 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         lambda module, prefix, keep_vars: engine.drain()))
     engine._hooks.append(model.register_load_state_dict_pre_hook(
         lambda module, *args: engine.drain()))
-    return wrapped, OverlapOptimizer(optimizer, engine)
+    wrapped_optimizer = OverlapOptimizer(optimizer, engine)
+    _release_when_dropped(engine, wrapped, wrapped_optimizer)
+    return wrapped, wrapped_optimizer
+
+
+class _Owners:
+    """What ``wrap`` returned, counted: the engine is released (``OverlapEngine.release``)
+    once the user dropped both."""
+
+    __slots__ = ("engine", "left")
+
+    def __init__(self, engine: OverlapEngine, left: int):
+        self.engine, self.left = engine, left
+
+    def dropped(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            engine, self.engine = self.engine, None
+            engine.release()
+
+
+def _release_when_dropped(engine: OverlapEngine, *owners) -> None:
+    """Release ``engine`` once every one of ``owners`` was dropped, as dropping a DDP model
+    frees it: the model, its optimizer state and the scheduler's threads go with them,
+    with no ``close()`` needed. No collective runs then (a rank may drop its model at
+    another point than the others); what was issued completes."""
+    counter = _Owners(engine, len(owners))
+    for owner in owners:
+        weakref.finalize(owner, counter.dropped).atexit = False
 
 
 def drain(obj) -> None:

@@ -250,6 +250,7 @@ class ZeroEngine(OverlapEngine):
 
     # ---- optimizer entry points -----------------------------------------------------------
     def step(self, kwargs: dict) -> None:
+        self._check_open("optimizer.step()")
         self._finish_backward()
         self._finish_round()
         record = snapshot(self.optimizer.param_groups, kwargs)
@@ -261,6 +262,7 @@ class ZeroEngine(OverlapEngine):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Queued behind the pending update of every group, and run with it (the optimizer
         holds only the model's parameters here: there are no others to zero now)."""
+        self._check_open("optimizer.zero_grad()")
         for g in self.groups:
             g.actions.append((ZERO, set_to_none))
 

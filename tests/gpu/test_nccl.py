@@ -453,6 +453,29 @@ def _device_plan_vs_stock_ddp(rank, world, port):
     dist.destroy_process_group()
 
 
+def _dropped_model_frees_its_memory(rank, world, port):
+    """What wrap() returned, dropped after training: the GPU memory allocated returns to
+    its level before the model was built (weights, gradient buffers, optimizer state)."""
+    import gc
+    _init(rank, world, port)
+    for decompose in ("none", "rs_ag"):
+        torch.cuda.synchronize()
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        net = Net().cuda()
+        model, opt = commsched.wrap(net, torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                    commsched.Config(decompose=decompose))
+        _steps(model, opt, rank, 4)
+        commsched.drain(model)
+        assert torch.cuda.memory_allocated() > before
+        del model, opt, net
+        gc.collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before, (decompose, before,
+                                                         torch.cuda.memory_allocated())
+    dist.destroy_process_group()
+
+
 class PartlyUsed(Net):
     """A layer that only rank 0 uses: every iteration, rank 1 reduces usage flags that are
     not all set (copied from host memory to the device, in both variants of the mode)."""
@@ -633,6 +656,10 @@ def test_data_parallel_mode_equals_stock_ddp_nccl():
 
 def test_a_plan_from_device_times_with_producers_ready_in_another_order_equals_stock_ddp():
     _spawn(_device_plan_vs_stock_ddp)
+
+
+def test_a_dropped_data_parallel_model_frees_its_gpu_memory():
+    _spawn(_dropped_model_frees_its_memory)
 
 
 def test_data_parallel_mode_with_a_parameter_unused_on_one_rank_equals_stock_ddp_nccl():

@@ -220,3 +220,44 @@ def test_forward_pre_hooks_only_while_a_group_is_pending(world1, decompose):
         model.close()
     assert hooked() == [0, 0]
     assert len(linears[0]._forward_pre_hooks) == 1       # the user's own stays
+
+
+@pytest.mark.parametrize("decompose", ["none", "rs_ag"])
+def test_a_dropped_model_and_optimizer_are_freed_with_the_scheduler_s_threads(
+        world1, decompose):
+    """As with DDP, dropping what wrap() returned frees the model, its optimizer state and
+    the scheduler's threads: no close() needed."""
+    import gc
+    import threading
+    import weakref
+
+    before = {t.name for t in threading.enumerate()}
+    net = _mlp()
+    model, opt = wrap(net, torch.optim.AdamW(net.parameters()),
+                      commsched.Config(decompose=decompose), group_bytes=0)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    drain(model)
+    param = weakref.ref(net[0].weight)
+    state = weakref.ref(opt.state[net[0].weight]["exp_avg"] if decompose == "none"
+                        else next(iter(opt.state.values()))["exp_avg"])
+    assert {t.name for t in threading.enumerate()} - before     # (the lanes' threads)
+    del model, opt, net
+    gc.collect()
+    assert param() is None and state() is None
+    assert {t.name for t in threading.enumerate()} <= before
+
+
+def test_close_still_works_and_a_closed_model_refuses_to_step(world1):
+    net = _mlp()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    model(torch.randn(3, 4)).sum().backward()
+    model.close()
+    assert all(not m._forward_pre_hooks for m in net.modules())
+    with pytest.raises(commsched.CommschedError, match="optimizer.step\\(\\) after the wrapped "
+                                                      "model was closed"):
+        opt.step()
+    with pytest.raises(commsched.CommschedError, match="a forward after"):
+        model(torch.randn(3, 4))
