@@ -18,7 +18,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence
 
 from .errors import SchedulerError
 from .observer import DeviceMark, IterationRecord
-from .plan import LinkCost, Plan, lane_plan
+from .plan import LinkCost, Plan, forward_end, lane_plan
 from .readiness import ProfiledRequest, read_profile
 
 __all__ = ["Iteration", "DispatchOrder", "DONE"]
@@ -107,7 +107,7 @@ class DispatchOrder:
     __slots__ = ("policy", "profile_iters", "feeds_forward", "credit_for", "cuda", "iterations",
                  "current", "count", "dispatched", "plan", "planned_layout", "next_profile",
                  "last_layout", "stable_iters", "link_cost", "verify_queue", "profiling",
-                 "profiled")
+                 "profiled", "decision")
 
     def __init__(self, policy: str, profile_iters: int, feeds_forward: bool,
                  credit_for: Callable[[int], int], cuda: bool = False):
@@ -134,6 +134,7 @@ class DispatchOrder:
         # profile_iters), each its requests in submission order.
         self.profiled: "collections.deque[List[ProfiledRequest]]" = collections.deque(
             maxlen=profile_iters)
+        self.decision: Optional[dict] = None  # what the newest plan was built from
 
     # ---- intake ---------------------------------------------------------------------------
     def open_index(self) -> int:
@@ -266,4 +267,23 @@ class DispatchOrder:
         requests = [p._replace(ready_s=v) for p, v in zip(requests, values)]
         self.plan = lane_plan(requests, credit_bytes, values[-2], self.feeds_forward,
                               values[-1])
+        self.decision = _decision(requests, self.plan, values[-2], values[-1],
+                                  self.feeds_forward)
         return self.plan
+
+
+def _decision(requests, plan: Plan, seconds_per_byte: float, spread_s: float,
+              feeds_forward: bool) -> dict:
+    """What a plan was built from and what it chose (``Scheduler.plan_summary``)."""
+    order = [key for key, _ in plan.order]
+    submitted = [r.key for r in requests]
+    summary = {"order": order, "submission_order": submitted,
+               "as_submitted": order == [k for r in requests for k in
+                                         [r.key] * len(r.chunk_bytes)],
+               "ready_s": {repr(r.key): r.ready_s for r in requests},
+               "seconds_per_byte": seconds_per_byte, "spread_s": spread_s}
+    if feeds_forward and all(len(r.chunk_bytes) == 1 for r in requests):
+        summary["forward_end_s"] = forward_end(requests, seconds_per_byte, order)
+        summary["forward_end_as_submitted_s"] = forward_end(requests, seconds_per_byte,
+                                                             submitted)
+    return summary

@@ -420,6 +420,18 @@ class Scheduler:
         with lane.lock:
             return [dict(entry) for part in lane.parts if part.tunes for entry in part.log]
 
+    def plan_summary(self, group=None) -> Optional[dict]:
+        """What ``group``'s newest priority plan was built from and chose (None before the
+        first): the order, the submission order, each request's readiness, the link's cost
+        per byte, the profiled iterations' spread and, for a plan of whole requests for the
+        next forward, its modelled end in both orders."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if lane is None:
+            return None
+        with lane.lock:
+            decision = lane.order.decision
+            return None if decision is None else dict(decision)
+
     def dispatch_log(self, group=None) -> List[tuple]:
         """(iteration, key, chunk, step) in dispatch order, and ("plan", order) where a plan
         was built; only with trace_dispatch=True."""

@@ -831,11 +831,16 @@ def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
         from commsched.overlap.update import state_bytes
         state = state_bytes(optimizer)
+        engine = model._engine
+        summary = getattr(engine.scheduler, "plan_summary", None)
+        plan = summary(engine.reduce_group) if summary is not None else None
     finally:
         close_quietly(model, optimizer)
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config),
             "optimizer_state_bytes": state, "whole_groups": whole, "layer_groups": groups,
-            "credit_window_bytes": window}
+            "credit_window_bytes": window, "plan": plan,
+            "group_bytes": [g.buffer.numel() * g.buffer.element_size()
+                            for g in engine.groups]}
 
 
 def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
@@ -1159,6 +1164,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     bench.steady_ms = []
     bench.kept = []
     bench.mode_name = mode.name
+    started = time.monotonic()
     memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None
     baseline = start_memory_history(bench) if memory_dir else 0
     try:
@@ -1208,6 +1214,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0].item() and not failed:
         result = empty_result(mode, "error", "failed on another rank (see its stderr)")
+    result["wall_s"] = round(time.monotonic() - started, 2)      # (this rank's, whole mode)
     if bench.cuda and result["status"] == "ok":
         result["peak_mem_bytes"] = peak
         result["peak_mem_bytes_max_rank"] = int(flags[1].item())
@@ -1334,6 +1341,8 @@ def progress_line(regime: str, model: str, result: Dict[str, Any]) -> str:
         text += f", {result['throughput']:.0f} {result['throughput_unit']}"
     if result.get("peak_mem_bytes"):
         text += f", peak {result['peak_mem_bytes'] / 2**30:.2f} GiB"
+    if result.get("wall_s"):
+        text += f", {result['wall_s']:.0f} s"
     return text
 
 
