@@ -455,24 +455,28 @@ def _device_plan_vs_stock_ddp(rank, world, port):
 
 def _dropped_model_frees_its_memory(rank, world, port):
     """What wrap() returned, dropped after training: the GPU memory allocated returns to
-    its level before the model was built (weights, gradient buffers, optimizer state)."""
+    its level before the model was built (weights, gradient buffers, optimizer state).
+    Measured on a second model: the first one leaves what the libraries keep for the
+    process (cuBLAS workspaces), which are no model's."""
     import gc
     _init(rank, world, port)
     for decompose in ("none", "rs_ag"):
-        torch.cuda.synchronize()
-        gc.collect()
-        before = torch.cuda.memory_allocated()
-        net = Net().cuda()
-        model, opt = commsched.wrap(net, torch.optim.AdamW(net.parameters(), lr=1e-3),
-                                    commsched.Config(decompose=decompose))
-        _steps(model, opt, rank, 4)
-        commsched.drain(model)
-        assert torch.cuda.memory_allocated() > before
-        del model, opt, net
-        gc.collect()
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == before, (decompose, before,
-                                                         torch.cuda.memory_allocated())
+        for measured in (False, True):
+            torch.cuda.synchronize()
+            gc.collect()
+            before = torch.cuda.memory_allocated()
+            net = Net().cuda()
+            model, opt = commsched.wrap(net, torch.optim.AdamW(net.parameters(), lr=1e-3),
+                                        commsched.Config(decompose=decompose))
+            _steps(model, opt, rank, 4)
+            commsched.drain(model)
+            assert torch.cuda.memory_allocated() > before
+            del model, opt, net
+            gc.collect()
+            torch.cuda.synchronize()
+            if measured:
+                assert torch.cuda.memory_allocated() == before, (
+                    decompose, before, torch.cuda.memory_allocated())
     dist.destroy_process_group()
 
 
