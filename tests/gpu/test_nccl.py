@@ -456,8 +456,8 @@ def _device_plan_vs_stock_ddp(rank, world, port):
 def _dropped_model_frees_its_memory(rank, world, port):
     """What wrap() returned, dropped after training: the GPU memory allocated returns to
     its level before the model was built (weights, gradient buffers, optimizer state).
-    Measured on a second model: the first one leaves what the libraries keep for the
-    process (cuBLAS workspaces), which are no model's."""
+    Measured on a second model: the first one leaves what is allocated once per process
+    (library workspaces), which is no model's."""
     import gc
     _init(rank, world, port)
     for decompose in ("none", "rs_ag"):
