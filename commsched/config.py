@@ -162,7 +162,7 @@ class Config:
 
     The gathered rows are world size x tokens per rank x width: they can pay only while
     that is well under the embedding's rows x width. Values are DDP's sums, added in
-    another order (``commsched/overlap/sparse.py``). Off by default: it did not pay on the
+    another order (``commsched/data_parallel/sparse.py``). Off by default: it did not pay on the
     models measured (``benchmarks/dp_rows_window_2xH200_2026-11-28.md``)."""
 
     grad_reduce_dtype: Optional[ReduceDtype] = field(default=None, metadata=_env(

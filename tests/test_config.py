@@ -174,7 +174,7 @@ def test_the_core_loads_no_telemetry_store_nvml_simulator_or_tuner():
     observes the scheduler (store, NVML sampler) and the tuner only when a setting asks."""
     heavy = ("commsched.telemetry.store", "commsched.telemetry.recorder",
              "commsched.telemetry.nvml", "commsched.telemetry.sampler", "commsched.sim",
-             "commsched.autotune", "commsched.calibrate", "commsched.overlap", "sqlite3")
+             "commsched.autotune", "commsched.calibrate", "commsched.data_parallel", "sqlite3")
     code = ("import sys, commsched, commsched.scheduler, commsched.hooks; "
             f"print([m for m in {heavy!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

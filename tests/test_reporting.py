@@ -8,13 +8,13 @@ import warnings
 import commsched
 from commsched import notices
 from commsched.config import Config, warn_data_parallel_only
-from commsched.overlap import OverlapWarning
+from commsched.data_parallel import DataParallelWarning
 from commsched.telemetry import TelemetryWarning
 
 
 def test_every_warning_commsched_issues_is_a_commsched_warning():
     assert issubclass(commsched.CommschedWarning, UserWarning)
-    for category in (TelemetryWarning, OverlapWarning):
+    for category in (TelemetryWarning, DataParallelWarning):
         assert issubclass(category, commsched.CommschedWarning), category
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

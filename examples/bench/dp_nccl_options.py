@@ -35,14 +35,14 @@ _options = {"max_ctas": 0, "high_priority": False}
 
 def _engine_modules():
     harness.benchlib.import_commsched()
-    import commsched.overlap.engine as engine
-    import commsched.overlap.zero as zero
+    import commsched.data_parallel.engine as engine
+    import commsched.data_parallel.zero as zero
 
     return engine, zero
 
 
 def _sibling_group_with_options(original):
-    """``commsched.overlap.engine.sibling_group``, with the options of the running mode."""
+    """``commsched.data_parallel.engine.sibling_group``, with the options of the running mode."""
     def sibling_group(group):
         if not (_options["max_ctas"] or _options["high_priority"]):
             return original(group)

@@ -829,7 +829,7 @@ def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
                 engine.settle_all()
         times = bench.time(step, quiesce=lambda: commsched.drain(model))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
-        from commsched.overlap.update import state_bytes
+        from commsched.data_parallel.update import state_bytes
         state = state_bytes(optimizer)
         engine = model._engine
         summary = getattr(engine.scheduler, "plan_summary", None)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import commsched
-from commsched.overlap import OverlapOptimizer, drain, wrap
+from commsched.data_parallel import DataParallelOptimizer, drain, wrap
 
 
 def _mlp():
@@ -17,7 +17,7 @@ def _mlp():
 def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1):
     model, opt = wrap(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), group_bytes=0)
     try:
-        assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, OverlapOptimizer)
+        assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, DataParallelOptimizer)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
         model(torch.randn(3, 4)).sum().backward()
         opt.step()

@@ -34,7 +34,7 @@ __all__ = ["GradientSubmission"]
 
 
 class GradientSubmission:
-    """The autograd side of ``OverlapEngine`` (a mixin: the engine holds the state)."""
+    """The autograd side of ``DataParallelEngine`` (a mixin: the engine holds the state)."""
 
     # ---- autograd hooks (autograd engine thread) ------------------------------------------
     def _grad_pre_hook(self, i: int, grad):
@@ -52,7 +52,7 @@ class GradientSubmission:
         g, j = self.slot[i]
         if self._bw and g.submitted_iter == self._bw_iter:
             raise RuntimeError(
-                f"commsched overlap: parameter {self.names[i]!r} received a gradient after "
+                f"commsched data-parallel: parameter {self.names[i]!r} received a gradient after "
                 "its layer group was handed to communication in this backward (reentrant "
                 "checkpointing, or a parameter reached twice through separate graphs?). "
                 "Use torch.utils.checkpoint with use_reentrant=False, and no_sync() for "
@@ -60,7 +60,7 @@ class GradientSubmission:
         if g.request is not None or g.actions:
             if any(a[0] == UPDATE for a in g.actions):
                 raise RuntimeError(
-                    f"commsched overlap: parameter {self.names[i]!r} was used in forward "
+                    f"commsched data-parallel: parameter {self.names[i]!r} was used in forward "
                     "before the pending optimizer update of its layer group was applied: it "
                     "is used outside the forward of the module that owns it. Call "
                     "commsched.drain(model) before such a forward, or use "
@@ -78,7 +78,7 @@ class GradientSubmission:
     def _dense_grad_of_rows(self, i: int, grad):
         """A weight whose gradient goes as rows got a dense gradient: refused."""
         raise RuntimeError(
-            f"commsched overlap: embedding weight {self.names[i]!r} received a dense "
+            f"commsched data-parallel: embedding weight {self.names[i]!r} received a dense "
             "gradient from outside its module's lookup (an output layer sharing it "
             "through a functional call?), but sends its gradient as rows "
             "(COMMSCHED_SPARSE_EMBEDDING_ROWS): tie it by registering the same "
@@ -245,7 +245,7 @@ class GradientSubmission:
                 self._agree_tokens(g, tokens)
             elif tokens != slot.tokens:
                 raise RuntimeError(
-                    f"commsched overlap: embedding {slot.name!r} looked up {tokens} tokens "
+                    f"commsched data-parallel: embedding {slot.name!r} looked up {tokens} tokens "
                     f"in this backward, {slot.tokens} in the first: with "
                     "COMMSCHED_SPARSE_EMBEDDING_ROWS every backward must look up as many "
                     "tokens on every rank (pad the batch, or set it to 0)")
@@ -268,7 +268,7 @@ class GradientSubmission:
         counts = counts.tolist()
         if len(set(counts)) != 1:
             raise RuntimeError(
-                f"commsched overlap: embedding {g.sparse.name!r} looked up {counts} tokens "
+                f"commsched data-parallel: embedding {g.sparse.name!r} looked up {counts} tokens "
                 "on ranks 0.. in the first backward: with COMMSCHED_SPARSE_EMBEDDING_ROWS "
                 "every rank must look up as many (pad the batch, or set it to 0)")
         g.sparse.allocate(tokens, self.world_size)
@@ -279,7 +279,7 @@ class GradientSubmission:
             # cheaper or about even.
             self._warn_once(
                 "rows",
-                f"commsched overlap: embedding {g.sparse.name!r} sends "
+                f"commsched data-parallel: embedding {g.sparse.name!r} sends "
                 f"{self.world_size} x {tokens} gradient rows per backward, at least its "
                 f"{rows} rows: the dense all-reduce would send about as much or less; "
                 "raise COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0")

@@ -1,4 +1,4 @@
-"""The rs_ag variant of overlap mode (``COMMSCHED_DECOMPOSE=rs_ag``): ZeRO-1.
+"""The rs_ag variant of the data-parallel mode (``COMMSCHED_DECOMPOSE=rs_ag``): ZeRO-1.
 
 Each layer group's gradient buffer is reduce-scattered in backward; rank r updates only
 shard r of the group's parameters (the optimizer keeps state for that shard alone, so
@@ -43,7 +43,7 @@ from typing import List, Optional
 import torch
 
 from .actions import UPDATE, ZERO
-from .engine import WHOLE, OverlapEngine, sibling_group
+from .engine import WHOLE, DataParallelEngine, sibling_group
 from .groups import LayerGroup, copy_flags
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
 
@@ -57,8 +57,8 @@ __all__ = ["ZeroEngine"]
 # (``group_bytes``) sets the collective size instead, as DDP's bucket size does.
 
 
-class ZeroEngine(OverlapEngine):
-    """Overlap mode with reduce-scatter, a sharded optimizer update and all-gather."""
+class ZeroEngine(DataParallelEngine):
+    """The data-parallel mode with reduce-scatter, a sharded optimizer update and all-gather."""
 
     decompose = "rs_ag"
     windowed = False    # groups_in_flight does not apply (measured for all-reduces only)
@@ -71,7 +71,7 @@ class ZeroEngine(OverlapEngine):
     def __init__(self, module, optimizer, config, group=None, **kwargs):
         if not is_elementwise(optimizer):
             raise TypeError(
-                f"commsched overlap rs_ag: {type(optimizer).__name__} is not known to update "
+                f"commsched data-parallel rs_ag: {type(optimizer).__name__} is not known to update "
                 "each element of a parameter independently, so a parameter shard cannot be "
                 "updated on its own; use decompose=none (all-reduce) with this optimizer")
         self._round = False         # a step's updates and all-gathers are not submitted yet
@@ -84,10 +84,10 @@ class ZeroEngine(OverlapEngine):
         # behind a reduce-scatter of the backward that follows it.
         self.gather_group = sibling_group(group)
         if self.local or not all(g.fully_owned for g in self.groups):
-            raise ValueError("commsched overlap rs_ag: the optimizer must hold exactly the "
+            raise ValueError("commsched data-parallel rs_ag: the optimizer must hold exactly the "
                              "model's trainable parameters")
         if self.mode != PER_GROUP:
-            raise TypeError("commsched overlap rs_ag needs a per-parameter optimizer")
+            raise TypeError("commsched data-parallel rs_ag needs a per-parameter optimizer")
         # All-gathers are submitted in forward (= priority) order from a forward pre-hook,
         # drain() or the next backward: their lane must not block on a collective there (a
         # plan exchange, or the configuration check of its creation, done here instead).
@@ -137,7 +137,7 @@ class ZeroEngine(OverlapEngine):
     def _before_accumulate(self, g: LayerGroup, i: int) -> None:
         if not g.consistent and self.params[i].grad is not None:
             raise RuntimeError(
-                "commsched overlap rs_ag: a second synchronised backward accumulates into "
+                "commsched data-parallel rs_ag: a second synchronised backward accumulates into "
                 "gradients that were reduce-scattered (each rank holds only its shard). "
                 "Call optimizer.zero_grad() after each step, and use model.no_sync() for "
                 "gradient accumulation.")
@@ -288,7 +288,7 @@ class ZeroEngine(OverlapEngine):
         if not self.reads_grads:
             self._warn_once(
                 "grads",
-                "commsched overlap rs_ag: gradients were read while reduce-scattered "
+                "commsched data-parallel rs_ag: gradients were read while reduce-scattered "
                 "(clip_grad_norm_, GradScaler.unscale_, logging?): all-gathering them and "
                 "waiting, so this step does not overlap the next forward. Pass "
                 "wrap(..., reads_grads=True) to make this explicit and silence this warning.")
@@ -335,7 +335,7 @@ class ZeroEngine(OverlapEngine):
         self.drain()
         meta = state_dict.get("rs_ag_shard")
         if meta != {"rank": self.rank, "world_size": self.world_size}:
-            raise ValueError(f"commsched overlap rs_ag: state dict of shard {meta}, this is "
+            raise ValueError(f"commsched data-parallel rs_ag: state dict of shard {meta}, this is "
                              f"rank {self.rank} of {self.world_size}")
         opt = self.optimizer
         for pg, saved in zip(opt.param_groups, state_dict["param_groups"]):
@@ -354,7 +354,7 @@ class ZeroEngine(OverlapEngine):
                                             for key, v in saved.items()}
 
     def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError("commsched overlap rs_ag: add_param_group after wrap")
+        raise NotImplementedError("commsched data-parallel rs_ag: add_param_group after wrap")
 
 
 def _slice_state(value, param, start: int, stop: int):

@@ -31,7 +31,7 @@ def _log_submissions(rank, world_size, out_dir, decompose):
     import torch.nn as nn
 
     import commsched
-    from commsched.overlap import drain, wrap
+    from commsched.data_parallel import drain, wrap
     from commsched.scheduler import Scheduler
 
     phase = ["wrap"]

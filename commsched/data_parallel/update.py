@@ -1,6 +1,6 @@
 """Per-layer-group optimizer updates with the hyper-parameters of the step that asked.
 
-``optimizer.step()`` in overlap mode records a ``StepRecord`` (a copy of every param
+``optimizer.step()`` in the data-parallel mode records a ``StepRecord`` (a copy of every param
 group's hyper-parameters at that moment) and returns; each layer group is updated later,
 once its gradients arrived, by calling the *real* optimizer's ``step()`` on that group's
 parameters only. The optimizer's ``param_groups`` are swapped for the duration of the call:
@@ -101,7 +101,7 @@ def update_mode(optimizer: torch.optim.Optimizer) -> str:
     """PER_GROUP for optimizers whose update is per parameter, WHOLE_MODEL otherwise."""
     name = type(optimizer).__name__
     if name == "LBFGS":
-        raise TypeError("commsched overlap mode: LBFGS re-evaluates the model inside step() "
+        raise TypeError("commsched data-parallel mode: LBFGS re-evaluates the model inside step() "
                         "(closure) and cannot defer its update; use DistributedDataParallel")
     return WHOLE_MODEL if name in _COUPLED else PER_GROUP
 

@@ -1,4 +1,4 @@
-"""What overlap mode hands the scheduler: each layer group with priority = its forward
+"""What the data-parallel mode hands the scheduler: each layer group with priority = its forward
 position (lower = needed earlier by the next forward), submitted in backward in descending
 order (the last layer first); with rs_ag, the all-gathers in ascending forward order.
 
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import commsched
-from commsched.overlap import drain, wrap
+from commsched.data_parallel import drain, wrap
 from commsched.scheduler import Scheduler
 
 

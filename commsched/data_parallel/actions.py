@@ -31,7 +31,7 @@ UPDATE, ZERO = "update", "zero"         # the kinds of a pending action
 
 
 class DeferredActions:
-    """The deferred side of ``OverlapEngine`` (a mixin: the engine holds the state)."""
+    """The deferred side of ``DataParallelEngine`` (a mixin: the engine holds the state)."""
 
     def _arm(self, g: LayerGroup) -> None:
         """``g`` has a request or actions pending: its modules' forward pre-hooks must run
@@ -295,7 +295,7 @@ class DeferredActions:
 
 class ModuleHook:
     """A module's forward pre-hook, installed while at least one of its pending layer
-    groups counts on it (OverlapEngine._arm)."""
+    groups counts on it (DataParallelEngine._arm)."""
 
     __slots__ = ("module", "hook", "handle", "pending")
 

@@ -17,7 +17,7 @@ _DIFFS = ("loss", "seen", "final", "eval", "state_dict", "opt_state", "init")
 
 
 def _run(world_size: int, cases, tmp_path_factory, timeout: float) -> dict:
-    out = tmp_path_factory.mktemp(f"overlap{world_size}")
+    out = tmp_path_factory.mktemp(f"data_parallel{world_size}")
     try:
         run_workers(run_scenarios, world_size, cases, str(out), time.time() + timeout - 10,
                     timeout=timeout)
@@ -31,7 +31,7 @@ def _run(world_size: int, cases, tmp_path_factory, timeout: float) -> dict:
             p = os.path.join(out, f"stacks{rank}.txt")
             if os.path.exists(p) and os.path.getsize(p):
                 stacks += f"\n--- rank {rank} ---\n" + open(p).read()
-        raise RuntimeError(f"{world_size}-rank overlap scenarios failed; last started: "
+        raise RuntimeError(f"{world_size}-rank data-parallel scenarios failed; last started: "
                            f"{started[-1] if started else None}{stacks}") from exc
     per_rank = []
     for rank in range(world_size):

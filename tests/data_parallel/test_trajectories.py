@@ -1,7 +1,7 @@
-"""Overlap mode trains exactly like DistributedDataParallel with the same optimizer.
+"""The data-parallel mode trains exactly like DistributedDataParallel with the same optimizer.
 
 Each scenario trains the same tiny model from the same seed on the same per-rank data,
-once with stock DDP (the reference) and once with commsched.overlap.wrap, for 20 steps.
+once with stock DDP (the reference) and once with commsched.data_parallel.wrap, for 20 steps.
 Compared: the loss of every step, the parameters every module saw at its forward
 pre-hook (against DDP's parameters after the previous step: the forward that starts
 while communication is in flight must see every layer updated), and the final parameters
@@ -10,7 +10,7 @@ and optimizer state after drain().
 2 ranks: bitwise. Averaging divides by 2 before the sum (exact, as DDP's multiply by 1/2)
 and a two-term sum does not depend on the order, so the math is identical.
 4 ranks: gloo's ring all-reduce adds the four terms in an order that depends on where an
-element sits in the buffer; overlap mode's layer-group buffers are not DDP's buckets, so
+element sits in the buffer; the data-parallel mode's layer-group buffers are not DDP's buckets, so
 sums differ in the last bit: compared within 1e-6, relative to max(1, |DDP's value|)
 (float32, 20 steps).
 """
@@ -68,7 +68,7 @@ def test_four_ranks_sgd_momentum_and_single_tensor_adamw_track_ddp(four_ranks, n
 
 
 def test_a_coupled_optimizer_is_stepped_once_over_the_whole_model(two_ranks):
-    # FusedLAMB (scenarios.py): a class name overlap mode steps synchronously over the
+    # FusedLAMB (scenarios.py): a class name the data-parallel mode steps synchronously over the
     # whole model; its learning rate depends on the norm of all gradients, so per-group
     # steps would diverge from DDP's
     r = two_ranks["whole_model_fused_lamb"]

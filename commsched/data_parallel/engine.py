@@ -46,17 +46,17 @@ from .sparse import SparseSlot, find_sparse_embeddings
 from .submission import GradientSubmission
 from .update import PER_GROUP, params_by_group, snapshot, step_subset, update_mode
 
-__all__ = ["OverlapEngine", "OverlapWarning", "WHOLE", "sibling_group"]
+__all__ = ["DataParallelEngine", "DataParallelWarning", "WHOLE", "sibling_group"]
 
 
-class OverlapWarning(CommschedWarning):
-    """Overlap mode fell back to synchronous behaviour for a reason the user can fix."""
+class DataParallelWarning(CommschedWarning):
+    """The data-parallel mode fell back to synchronous behaviour for a reason the user can fix."""
 
 
 WHOLE = 0       # Scheduler.submit(partition_bytes=WHOLE): the request goes as one chunk
 
 
-class OverlapEngine(GradientSubmission, DeferredActions):
+class DataParallelEngine(GradientSubmission, DeferredActions):
     """Everything the data-parallel mode does for one (model, optimizer) pair: the layer
     groups, the autograd and forward hooks, the submissions to the scheduler, and the
     deferred per-group actions (optimizer updates, zero_grad)."""
@@ -104,8 +104,8 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         devices = {g.device for g in self.groups}
         if len(devices) > 1:
             raise ValueError(f"commsched.wrap: parameters on several devices "
-                             f"{sorted(map(str, devices))}; overlap mode drives one device "
-                             "per process")
+                             f"{sorted(map(str, devices))}; the data-parallel mode drives one "
+                             "device per process")
         self.params: List[torch.nn.Parameter] = [p for g in self.groups for p in g.params]
         self.names: List[str] = [n for g in self.groups for n in g.names]
         self.slot = [(g, j) for g in self.groups for j in range(len(g.params))]
@@ -342,7 +342,7 @@ class OverlapEngine(GradientSubmission, DeferredActions):
         if not self.reads_grads:
             self._warn_once(
                 "grads",
-                "commsched overlap: gradients were read while their communication was in "
+                "commsched data-parallel: gradients were read while their communication was in "
                 "flight (clip_grad_norm_, GradScaler.unscale_, logging?): waiting for all "
                 "gradient communication, so the optimizer step is synchronous and does not "
                 "overlap the next forward. Pass wrap(..., reads_grads=True) to make this "
@@ -352,7 +352,7 @@ class OverlapEngine(GradientSubmission, DeferredActions):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, OverlapWarning, stacklevel=3)
+            warnings.warn(message, DataParallelWarning, stacklevel=3)
 
     def optimizer_state_dict(self) -> dict:
         self.drain()

@@ -4,7 +4,7 @@ DistributedDataParallel does.
 A tiny language model (embedding, two blocks, an output layer tied to the embedding or
 not; a padding token among the inputs) trains for 6 steps with SGD and momentum (its
 update scales with the gradient, so a wrong scale shows), once under DDP (the reference)
-and once under ``commsched.overlap.wrap`` with row gradients for the embedding, on 2 (and
+and once under ``commsched.data_parallel.wrap`` with row gradients for the embedding, on 2 (and
 4) gloo ranks with different tokens per rank. The rows are summed in another order than
 DDP's dense gradient, so values are compared within float32 rounding (1e-5 relative).
 """
@@ -52,7 +52,7 @@ def _loss(model, ids, target):
 def _wrapped(net):
     """``net`` under the data-parallel mode with row gradients for every embedding, SGD."""
     from commsched import Config
-    from commsched.overlap import wrap
+    from commsched.data_parallel import wrap
 
     return wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
                 Config(sparse_embedding_rows=1))
@@ -60,7 +60,7 @@ def _wrapped(net):
 
 def _train_both(rank, world, tied, min_rows, accum=1, clip=None):
     from commsched import Config
-    from commsched.overlap import drain, wrap
+    from commsched.data_parallel import drain, wrap
 
     torch.manual_seed(0)
     ref = TinyLM(tied)
@@ -181,14 +181,14 @@ def test_embeddings_below_the_row_count_go_dense():
 def _more_rows_than_the_weight(rank, world):
     import warnings
 
-    from commsched.overlap import OverlapWarning
+    from commsched.data_parallel import DataParallelWarning
 
     model, opt = _wrapped(TinyLM(False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _loss(model, *_batch(rank, 0, tokens=50)).backward()     # 2 x 50 >= 97 rows
-    assert [str(w.message) for w in caught if w.category is OverlapWarning] == [
-        "commsched overlap: embedding 'embed' sends 2 x 50 gradient rows per backward, at "
+    assert [str(w.message) for w in caught if w.category is DataParallelWarning] == [
+        "commsched data-parallel: embedding 'embed' sends 2 x 50 gradient rows per backward, at "
         "least its 97 rows: the dense all-reduce would send about as much or less; raise "
         "COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0"]
     opt.step()
@@ -247,7 +247,7 @@ def test_a_weight_reused_outside_its_module_is_refused_naming_it():
 
 def test_rs_ag_refuses_row_gradients(world1):
     from commsched import Config
-    from commsched.overlap import wrap
+    from commsched.data_parallel import wrap
 
     net = TinyLM(False)
     with pytest.raises(ValueError, match="COMMSCHED_SPARSE_EMBEDDING_ROWS"):

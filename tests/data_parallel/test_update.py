@@ -8,7 +8,7 @@ hyper-parameters recorded before an LR scheduler changed them. Single process, b
 import pytest
 import torch
 
-from commsched.overlap.update import (PER_GROUP, WHOLE_MODEL, is_elementwise, snapshot,
+from commsched.data_parallel.update import (PER_GROUP, WHOLE_MODEL, is_elementwise, snapshot,
                                       state_bytes, step_subset, update_mode)
 
 CASES = [

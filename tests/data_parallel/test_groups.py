@@ -2,7 +2,7 @@
 
 import torch
 
-from commsched.overlap.groups import build_groups
+from commsched.data_parallel.groups import build_groups
 
 
 class Net(torch.nn.Module):

@@ -1,7 +1,7 @@
 """Pending per-group updates whose gradients already arrived run as one optimizer step.
 
 Reference: the plain optimizer stepping the plain model (one process, so the averaged
-gradient is the local one). Under test: overlap mode with one layer group per module,
+gradient is the local one). Under test: the data-parallel mode with one layer group per module,
 counting the real optimizer's step() calls. Single process (gloo, world size 1), bitwise.
 """
 
@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from commsched.overlap import drain, wrap
+from commsched.data_parallel import drain, wrap
 
 
 def _mlp():
@@ -289,7 +289,7 @@ def test_a_group_waiting_behind_an_unused_parameter_holds_no_handed_over_gradien
     # The last layer is unused: its group is submitted only at the end of backward, and
     # the groups below it wait. Their gradients, handed over by autograd, must already
     # be in their slots meanwhile (no second copy of the gradients held).
-    from commsched.overlap.groups import GradView
+    from commsched.data_parallel.groups import GradView
 
     class Net(torch.nn.Module):
         def __init__(self):

@@ -1,4 +1,5 @@
-"""``commsched.wrap`` / ``commsched.drain``: the model and optimizer wrappers of overlap mode.
+"""``commsched.wrap`` / ``commsched.drain``: the model and optimizer wrappers of the
+data-parallel mode.
 
     model, optimizer = commsched.wrap(model, optimizer)
     for x, y in loader:
@@ -23,14 +24,14 @@ import torch
 
 from commsched.config import Config
 
-from .engine import OverlapEngine
+from .engine import DataParallelEngine
 
-__all__ = ["OverlapDataParallel", "OverlapOptimizer", "wrap", "drain"]
+__all__ = ["DataParallelModel", "DataParallelOptimizer", "wrap", "drain"]
 
 
-class OverlapDataParallel(torch.nn.Module):
+class DataParallelModel(torch.nn.Module):
     """The wrapped model: ``forward`` runs ``module``; the synchronisation lives in hooks
-    that overlap mode installed on ``module``'s submodules and parameters.
+    that the data-parallel mode installed on ``module``'s submodules and parameters.
 
     Like DDP: ``.module`` is the original model, ``state_dict()`` keys start with
     ``module.``, and ``no_sync()`` accumulates gradients locally.
@@ -40,7 +41,7 @@ class OverlapDataParallel(torch.nn.Module):
         loss = model(x).sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
     """
 
-    def __init__(self, module: torch.nn.Module, engine: OverlapEngine):
+    def __init__(self, module: torch.nn.Module, engine: DataParallelEngine):
         super().__init__()
         self.module = module
         self._engine = engine
@@ -78,7 +79,7 @@ class OverlapDataParallel(torch.nn.Module):
         self._engine.close()
 
 
-class OverlapOptimizer(torch.optim.Optimizer):
+class DataParallelOptimizer(torch.optim.Optimizer):
     """The wrapped optimizer: ``step()`` records the step (the hyper-parameters in force
     now) and returns; each layer group is updated by the real optimizer once its gradients
     arrived. ``param_groups`` and ``state`` are the real optimizer's, so LR schedulers and
@@ -89,11 +90,11 @@ class OverlapOptimizer(torch.optim.Optimizer):
         sched = torch.optim.lr_scheduler.StepLR(optimizer, 10)
     """
 
-    # GradScaler then unscales through param_groups (which overlap mode notices, waiting
+    # GradScaler then unscales through param_groups (which the data-parallel mode notices, waiting
     # for the gradients) instead of handing grad_scale/found_inf to step().
     _step_supports_amp_scaling = False
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: OverlapEngine):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: DataParallelEngine):
         # Optimizer.__init__ is not called: it would copy the param groups, and these must
         # stay the wrapped optimizer's own.
         self.optimizer = optimizer
@@ -146,13 +147,13 @@ class OverlapOptimizer(torch.optim.Optimizer):
         self._engine.add_param_group(param_group)
 
     def __repr__(self) -> str:
-        return f"OverlapOptimizer({self.optimizer!r})"
+        return f"DataParallelOptimizer({self.optimizer!r})"
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          config: Optional[Config] = None, group=None, *, group_bytes: Optional[int] = None,
          reads_grads: bool = False, broadcast_buffers: bool = True, scheduler=None,
-         observer=None) -> Tuple[OverlapDataParallel, OverlapOptimizer]:
+         observer=None) -> Tuple[DataParallelModel, DataParallelOptimizer]:
     """Data-parallel training whose gradient communication overlaps the next forward.
 
     Replaces ``DistributedDataParallel(model)`` in an unchanged training loop. Collective
@@ -176,7 +177,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("commsched.wrap: pass the plain model, not a DistributedDataParallel")
-    if isinstance(model, OverlapDataParallel) or isinstance(optimizer, OverlapOptimizer):
+    if isinstance(model, DataParallelModel) or isinstance(optimizer, DataParallelOptimizer):
         raise TypeError("commsched.wrap: model or optimizer is already wrapped")
     config = config if config is not None else Config.from_env()
     if config.decompose in ("hier", "leader"):
@@ -194,26 +195,26 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         from .zero import ZeroEngine
         engine = ZeroEngine(model, optimizer, config, group, **kwargs)
     else:
-        engine = OverlapEngine(model, optimizer, config, group, **kwargs)
-    wrapped = OverlapDataParallel(model, engine)
+        engine = DataParallelEngine(model, optimizer, config, group, **kwargs)
+    wrapped = DataParallelModel(model, engine)
     # state_dict() of the model (or of the original module) sees updated parameters;
     # load_state_dict() is not overwritten by an update still pending.
     engine._hooks.append(model.register_state_dict_pre_hook(
         lambda module, prefix, keep_vars: engine.drain()))
     engine._hooks.append(model.register_load_state_dict_pre_hook(
         lambda module, *args: engine.drain()))
-    wrapped_optimizer = OverlapOptimizer(optimizer, engine)
+    wrapped_optimizer = DataParallelOptimizer(optimizer, engine)
     _release_when_dropped(engine, wrapped, wrapped_optimizer)
     return wrapped, wrapped_optimizer
 
 
 class _Owners:
-    """What ``wrap`` returned, counted: the engine is released (``OverlapEngine.release``)
+    """What ``wrap`` returned, counted: the engine is released (``DataParallelEngine.release``)
     once the user dropped both."""
 
     __slots__ = ("engine", "left")
 
-    def __init__(self, engine: OverlapEngine, left: int):
+    def __init__(self, engine: DataParallelEngine, left: int):
         self.engine, self.left = engine, left
 
     def dropped(self) -> None:
@@ -223,7 +224,7 @@ class _Owners:
             engine.release()
 
 
-def _release_when_dropped(engine: OverlapEngine, *owners) -> None:
+def _release_when_dropped(engine: DataParallelEngine, *owners) -> None:
     """Release ``engine`` once every one of ``owners`` was dropped, as dropping a DDP model
     frees it: the model, its optimizer state and the scheduler's threads go with them,
     with no ``close()`` needed. No collective runs then (a rank may drop its model at
@@ -244,7 +245,7 @@ def drain(obj) -> None:
         ...; commsched.drain(model); torch.save(model.module.state_dict(), path)
     """
     engine = getattr(obj, "_engine", None)
-    if not isinstance(engine, OverlapEngine):
+    if not isinstance(engine, DataParallelEngine):
         raise TypeError(f"commsched.drain: expected a model or optimizer returned by "
                         f"commsched.wrap, got {type(obj).__name__}")
     engine.drain()

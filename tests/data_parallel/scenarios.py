@@ -1,8 +1,8 @@
-"""Multi-rank scenarios for overlap mode.
+"""Multi-rank scenarios for the data-parallel mode.
 
 Each scenario trains a tiny model twice in the same worker, on the same per-rank data:
 first with stock ``DistributedDataParallel`` and the plain optimizer (the reference), then
-with ``commsched.overlap.wrap``. It returns numbers, not verdicts: the largest differences
+with ``commsched.data_parallel.wrap``. It returns numbers, not verdicts: the largest differences
 of losses, of the parameters each module *saw at its forward pre-hook* (against DDP's
 parameters after the previous step), of final parameters, evaluation outputs and optimizer
 state. The tests decide (bitwise with 2 ranks, a tolerance with 4).
@@ -53,7 +53,7 @@ class Spec(NamedTuple):
 
 
 class FusedLAMB(torch.optim.Adam):
-    """A coupled optimizer: its name is one overlap mode steps once over the whole model
+    """A coupled optimizer: its name is one the data-parallel mode steps once over the whole model
     (update._COUPLED, as apex's FusedLAMB), and like LAMB it couples parameters through a
     global gradient norm: the learning rate is scaled by 1 / (1 + ||all gradients||).
     Stepped per layer group it would see only the group's gradients, and diverge."""
@@ -178,7 +178,7 @@ class Trace:
     def __init__(self):
         self.losses: List[float] = []
         self.params_after: List[List[torch.Tensor]] = []     # DDP: after each step
-        self.seen: Dict[int, Dict[str, torch.Tensor]] = {}   # overlap: at forward pre-hooks
+        self.seen: Dict[int, Dict[str, torch.Tensor]] = {}   # data-parallel: at forward pre-hooks
         self.evals: List[torch.Tensor] = []
         self.in_flight: List[int] = []
         self.final: List[torch.Tensor] = []
@@ -188,11 +188,11 @@ class Trace:
         self.warnings = 0
         self.current_step = 0
         self.state_bytes = 0
-        self.before_wrap: List[torch.Tensor] = []   # overlap: this rank's own initial state
-        self.after_wrap: List[torch.Tensor] = []    # overlap: the state wrap() left
-        self.opt_steps = 0                          # overlap: real optimizer step() calls
-        self.plans: List[tuple] = []                # overlap: (feeds_forward, key order)
-        self.dispatch: Dict[int, list] = {}         # overlap: keys in dispatch order
+        self.before_wrap: List[torch.Tensor] = []   # data-parallel: this rank's own initial state
+        self.after_wrap: List[torch.Tensor] = []    # data-parallel: the state wrap() left
+        self.opt_steps = 0                          # data-parallel: real optimizer step() calls
+        self.plans: List[tuple] = []                # data-parallel: (feeds_forward, key order)
+        self.dispatch: Dict[int, list] = {}         # data-parallel: keys in dispatch order
 
 
 def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, group=None):
@@ -265,9 +265,9 @@ def run_ddp(spec: Spec, rank: int, group=None) -> Trace:
     return trace
 
 
-def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
+def run_data_parallel(spec: Spec, rank: int, group=None) -> Trace:
     import commsched
-    from commsched.overlap import drain, state_bytes, wrap
+    from commsched.data_parallel import drain, state_bytes, wrap
     inner = make_model(spec, rank)
     opt = OPTIMIZERS[spec.opt](inner.parameters())
     trace = Trace()
@@ -290,7 +290,8 @@ def run_overlap(spec: Spec, rank: int, group=None) -> Trace:
         engine = model._engine
         engine.scheduler.trace_dispatch = True        # (read when its lanes are created)
         trace.after_wrap = model_state(inner)
-        # Registered after wrap: runs after overlap mode's own pre-hook (which is prepended).
+        # Registered after wrap: runs after the data-parallel mode's own pre-hook (which is
+        # prepended).
         for m in inner.modules():
             if any(True for _ in m.parameters(recurse=False)):
                 m.register_forward_pre_hook(_recorder(trace, m, names))
@@ -441,7 +442,7 @@ def run_scenarios(rank: int, world_size: int, cases: Dict[str, Spec], out_dir: s
         with open(path, "a") as f:
             f.write(json.dumps({"name": name, "started": True, "ddp_seconds":
                                 time.perf_counter() - t0}) + "\n")
-        got = run_overlap(spec, rank, group)
+        got = run_data_parallel(spec, rank, group)
         dist.barrier()
         names = [n for n, _ in make_model(spec).named_parameters()]
         result = compare(spec, ref, got, names)

@@ -60,7 +60,7 @@ def _worst(params, ref):
 
 def _equal_to_the_compression_hook(rank, world, dtype, cuda_paths=False):
     from commsched import Config
-    from commsched.overlap import drain, wrap
+    from commsched.data_parallel import drain, wrap
 
     torch.manual_seed(0)
     nets = [_net() for _ in range(3)]
@@ -121,7 +121,7 @@ class _Branchy(nn.Module):
 
 def _unused_equal_to_the_compression_hook(rank, world):
     from commsched import Config
-    from commsched.overlap import drain, wrap
+    from commsched.data_parallel import drain, wrap
 
     torch.manual_seed(0)
     hooked, ours = _Branchy(), _Branchy()
@@ -151,9 +151,9 @@ def test_narrow_all_reduces_with_unused_parameters_equal_ddp_with_the_hook():
 
 def _with_tied_rows(rank, world):
     from commsched import Config
-    from commsched.overlap import drain, wrap
-    from overlap.test_sparse_embeddings import STEPS as ROW_STEPS
-    from overlap.test_sparse_embeddings import TinyLM, _batch as row_batch, _loss
+    from commsched.data_parallel import drain, wrap
+    from data_parallel.test_sparse_embeddings import STEPS as ROW_STEPS
+    from data_parallel.test_sparse_embeddings import TinyLM, _batch as row_batch, _loss
 
     torch.manual_seed(0)
     ref, net = TinyLM(True), TinyLM(True)
@@ -186,7 +186,7 @@ def test_narrow_all_reduce_of_a_tied_weight_keeps_its_rows():
 
 def _refused_with_rs_ag(rank, world):
     from commsched import Config
-    from commsched.overlap import wrap
+    from commsched.data_parallel import wrap
 
     net = _net()
     with pytest.raises(ValueError, match=r"grad_reduce_dtype='bfloat16' "
@@ -202,8 +202,8 @@ def test_narrow_all_reduces_are_refused_with_rs_ag():
 def test_an_untied_row_gradient_weight_gets_no_narrow_copy(world1):
     # (its gradient goes as rows only: no all-reduce to send it in)
     from commsched import Config
-    from commsched.overlap import wrap
-    from overlap.test_sparse_embeddings import TinyLM
+    from commsched.data_parallel import wrap
+    from data_parallel.test_sparse_embeddings import TinyLM
 
     net = TinyLM(False)
     model, _ = wrap(net, _sgd(net.parameters()),

@@ -49,7 +49,7 @@ def test_rs_ag_collectives_go_whole_in_the_single_tensor_form(world1, monkeypatc
 
     import commsched
     import commsched.collectives as collectives
-    from commsched.overlap import drain, wrap
+    from commsched.data_parallel import drain, wrap
     from commsched.scheduler import Scheduler
 
     calls = {"list": 0, "single": 0}

@@ -1,4 +1,4 @@
-"""DDP semantics that overlap mode keeps: accumulation, unused and shared parameters,
+"""DDP semantics that the data-parallel mode keeps: accumulation, unused and shared parameters,
 buffers, evaluation, state dicts, gradient clipping, GradScaler — each checked against
 stock DDP on 2 ranks, bitwise (see test_trajectories.py for why 2 ranks are bitwise)."""
 

@@ -16,7 +16,7 @@ the group — just before the next forward needs it.
 What falls back, and what is not supported:
 - Reading gradients between backward() and the updates (clip_grad_norm_, GradScaler's
   unscale_, logging a gradient norm) waits for all gradient communication first, so the
-  values are DDP's; that step is then synchronous. One OverlapWarning, unless
+  values are DDP's; that step is then synchronous. One DataParallelWarning, unless
   ``wrap(..., reads_grads=True)`` declares it. With rs_ag the gradients are all-gathered.
 - Optimizers that couple parameters (apex FusedLAMB: a global norm) step once over the
   whole model, synchronously. LBFGS is rejected. rs_ag needs an elementwise optimizer.
@@ -35,13 +35,13 @@ What falls back, and what is not supported:
 - COMMSCHED_DECOMPOSE=hier / leader are refused (ValueError); auto is none.
 
 Example::
-    model, optimizer = commsched.overlap.wrap(model, optimizer)
+    model, optimizer = commsched.data_parallel.wrap(model, optimizer)
     model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from .engine import OverlapEngine, OverlapWarning
+from .engine import DataParallelEngine, DataParallelWarning
 from .update import state_bytes
-from .wrap import OverlapDataParallel, OverlapOptimizer, drain, wrap
+from .wrap import DataParallelModel, DataParallelOptimizer, drain, wrap
 
-__all__ = ["wrap", "drain", "OverlapDataParallel", "OverlapOptimizer", "OverlapEngine",
-           "OverlapWarning", "state_bytes"]
+__all__ = ["wrap", "drain", "DataParallelModel", "DataParallelOptimizer", "DataParallelEngine",
+           "DataParallelWarning", "state_bytes"]

@@ -1,4 +1,4 @@
-"""Layer groups: the unit of communication and of optimizer update in overlap mode.
+"""Layer groups: the unit of communication and of optimizer update in the data-parallel mode.
 
 A layer group is a run of consecutive parameter-owning modules, in registration order (the
 first layer first), whose gradients live in one flat buffer. The layout is fixed at wrap

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import commsched
-from commsched.overlap import wrap
+from commsched.data_parallel import wrap
 from commsched.scheduler import Scheduler
 
 PARTITION = 4096           # bytes: the 64x64 layer (16.6 KB) is 5 chunks of it (4 + remainder)

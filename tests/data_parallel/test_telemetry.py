@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import commsched
-from commsched.overlap import wrap
+from commsched.data_parallel import wrap
 from commsched.telemetry.store import load_run
 
 STEPS = 5
