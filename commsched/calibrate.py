@@ -34,6 +34,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .config import ConfigError
+
 __all__ = ["AutoTable", "calibrate", "run_decomposition", "static_choice",
            "CALIBRATION_SIZES", "REPEATS"]
 
@@ -106,7 +108,7 @@ def run_decomposition(tensor: torch.Tensor, decompose: str, topology, group=None
             dist.all_reduce(tensor, group=topology.leaders)
         dist.broadcast(tensor, src=topology.leader_rank, group=topology.intra)
         return
-    raise ValueError(f"decompose={decompose!r}: calibration knows none, hier, leader")
+    raise ConfigError(f"decompose={decompose!r}: calibration knows none, hier, leader")
 
 
 def calibrate(topology, device: torch.device, dtype: torch.dtype,

@@ -368,7 +368,7 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
         if not raw.strip():
             raise ConfigError(f"{var}={raw!r}: expected a directory path")
         return raw
-    raise AssertionError(f"no parser for {f.name}")  # pragma: no cover
+    raise ConfigError(f"{var}: no parser for field {f.name}")  # pragma: no cover
 
 
 def _choice(var: str, raw: str, choices) -> str:

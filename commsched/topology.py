@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .config import ConfigError
+
 __all__ = ["Topology", "local_size_from_env"]
 
 
@@ -38,13 +40,13 @@ class Topology:
 
     def __init__(self, group, local_size: int):
         if group is not dist.group.WORLD and group != dist.group.WORLD:
-            raise ValueError("decompose hier/leader/auto: supported on the default process "
-                             "group only (sub-groups are created over it)")
+            raise ConfigError("decompose hier/leader/auto: supported on the default process "
+                              "group only (sub-groups are created over it)")
         ranks = dist.get_process_group_ranks(group)
         world = len(ranks)
         if local_size < 1 or world % local_size:
-            raise ValueError(f"COMMSCHED_LOCAL_SIZE={local_size}: the {world} ranks do not "
-                             f"divide into nodes of {local_size}")
+            raise ConfigError(f"local_size={local_size} (LOCAL_WORLD_SIZE): the {world} ranks "
+                              f"do not divide into nodes of {local_size}")
         me = dist.get_rank()
         self.local_size = local_size
         self.nodes = world // local_size

@@ -149,9 +149,14 @@ def test_every_commsched_error_derives_from_one_base():
     from commsched.safety import AgreementError
     from commsched.sim.model import SimError
     from commsched.telemetry.errors import TelemetryError
+    from commsched import errors
+    from commsched.floor import FloorError
     kinds = {commsched.ConfigError: ValueError, commsched.SchedulerError: RuntimeError,
              AgreementError: RuntimeError, SimError: ValueError, LaunchPatchError: ValueError,
-             UnsupportedMegatronVersion: RuntimeError, TelemetryError: Exception}
+             UnsupportedMegatronVersion: RuntimeError, TelemetryError: Exception,
+             errors.DataParallelError: RuntimeError, errors.UnsupportedError: TypeError,
+             errors.NotSupportedError: NotImplementedError,
+             errors.UnavailableError: RuntimeError, FloorError: RuntimeError}
     for error, kind in kinds.items():
         assert issubclass(error, commsched.CommschedError), error
         assert issubclass(error, kind), error

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from commsched.adapter import build_scheduler
-from commsched.config import MAX_BYTES, Config
-from commsched.errors import CommschedError, CommschedWarning
+from commsched.config import MAX_BYTES, Config, ConfigError
+from commsched.errors import CommschedWarning, DataParallelError, UnavailableError
 from commsched.scheduler import Scheduler
 
 from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
@@ -73,7 +73,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
                  reads_grads: bool = False, broadcast_buffers: bool = True,
                  scheduler: Optional[Scheduler] = None, observer=None):
         if not dist.is_initialized():
-            raise RuntimeError("commsched.wrap: torch.distributed is not initialized")
+            raise UnavailableError("commsched.wrap: torch.distributed is not initialized")
         self.module = module
         self.optimizer = optimizer
         self.config = config
@@ -90,8 +90,8 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
                  config.grad_reduce_dtype is not None),
                 ("sparse_embedding_rows", "COMMSCHED_SPARSE_EMBEDDING_ROWS", embeddings)):
             if used and self.decompose != "none":
-                raise ValueError(f"commsched.wrap: {name}={getattr(config, name)!r} ({var}) "
-                                 f"needs decompose='none', not {self.decompose!r}")
+                raise ConfigError(f"commsched.wrap: {name}={getattr(config, name)!r} ({var}) "
+                                  f"needs decompose='none', not {self.decompose!r}")
         self.reduce_dtype = (None if config.grad_reduce_dtype is None
                              else getattr(torch, config.grad_reduce_dtype))
         # Untied row-gradient weights send no all-reduce: no copy in the narrower type.
@@ -100,12 +100,12 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
             module, config.group_bytes if group_bytes is None else group_bytes,
             {id(m.weight): tied for _, m, tied in embeddings}, config.first_group_bytes)
         if not self.groups:
-            raise ValueError("commsched.wrap: the model has no parameter that requires grad")
+            raise ConfigError("commsched.wrap: the model has no parameter that requires grad")
         devices = {g.device for g in self.groups}
         if len(devices) > 1:
-            raise ValueError(f"commsched.wrap: parameters on several devices "
-                             f"{sorted(map(str, devices))}; the data-parallel mode drives one "
-                             "device per process")
+            raise ConfigError(f"commsched.wrap: parameters on several devices "
+                              f"{sorted(map(str, devices))}; the data-parallel mode drives "
+                              "one device per process")
         self.params: List[torch.nn.Parameter] = [p for g in self.groups for p in g.params]
         self.names: List[str] = [n for g in self.groups for n in g.names]
         self.slot = [(g, j) for g in self.groups for j in range(len(g.params))]
@@ -288,8 +288,8 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise CommschedError(f"commsched.wrap: {what} after the wrapped model was closed "
-                                 "(model.close(), or the model dropped)")
+            raise DataParallelError(f"commsched.wrap: {what} after the wrapped model was closed "
+                                    "(model.close(), or the model dropped)")
 
     def step(self, kwargs: dict) -> None:
         self._check_open("optimizer.step()")

@@ -27,6 +27,8 @@ from typing import List, Optional
 
 import torch
 
+from commsched.errors import DataParallelError
+
 from .actions import UPDATE
 from .groups import LayerGroup, copy_flags, plain, sent
 
@@ -51,7 +53,7 @@ class GradientSubmission:
         accumulated into the zeroed slot instead, as is every gradient after the first."""
         g, j = self.slot[i]
         if self._bw and g.submitted_iter == self._bw_iter:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"commsched data-parallel: parameter {self.names[i]!r} received a gradient after "
                 "its layer group was handed to communication in this backward (reentrant "
                 "checkpointing, or a parameter reached twice through separate graphs?). "
@@ -59,7 +61,7 @@ class GradientSubmission:
                 "gradient accumulation.")
         if g.request is not None or g.actions:
             if any(a[0] == UPDATE for a in g.actions):
-                raise RuntimeError(
+                raise DataParallelError(
                     f"commsched data-parallel: parameter {self.names[i]!r} was used in forward "
                     "before the pending optimizer update of its layer group was applied: it "
                     "is used outside the forward of the module that owns it. Call "
@@ -77,7 +79,7 @@ class GradientSubmission:
 
     def _dense_grad_of_rows(self, i: int, grad):
         """A weight whose gradient goes as rows got a dense gradient: refused."""
-        raise RuntimeError(
+        raise DataParallelError(
             f"commsched data-parallel: embedding weight {self.names[i]!r} received a dense "
             "gradient from outside its module's lookup (an output layer sharing it "
             "through a functional call?), but sends its gradient as rows "
@@ -244,7 +246,7 @@ class GradientSubmission:
             if slot.tokens is None:
                 self._agree_tokens(g, tokens)
             elif tokens != slot.tokens:
-                raise RuntimeError(
+                raise DataParallelError(
                     f"commsched data-parallel: embedding {slot.name!r} looked up {tokens} tokens "
                     f"in this backward, {slot.tokens} in the first: with "
                     "COMMSCHED_SPARSE_EMBEDDING_ROWS every backward must look up as many "
@@ -267,7 +269,7 @@ class GradientSubmission:
                               op="all_gather", group=self.reduce_group).wait()
         counts = counts.tolist()
         if len(set(counts)) != 1:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"commsched data-parallel: embedding {g.sparse.name!r} looked up {counts} tokens "
                 "on ranks 0.. in the first backward: with COMMSCHED_SPARSE_EMBEDDING_ROWS "
                 "every rank must look up as many (pad the batch, or set it to 0)")

@@ -21,6 +21,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from commsched.errors import UnsupportedError
+
 __all__ = ["StepRecord", "snapshot", "step_subset", "update_mode", "is_elementwise",
            "state_bytes"]
 
@@ -101,8 +103,9 @@ def update_mode(optimizer: torch.optim.Optimizer) -> str:
     """PER_GROUP for optimizers whose update is per parameter, WHOLE_MODEL otherwise."""
     name = type(optimizer).__name__
     if name == "LBFGS":
-        raise TypeError("commsched data-parallel mode: LBFGS re-evaluates the model inside step() "
-                        "(closure) and cannot defer its update; use DistributedDataParallel")
+        raise UnsupportedError("commsched data-parallel mode: LBFGS re-evaluates the model "
+                               "inside step() (closure) and cannot defer its update; use "
+                               "DistributedDataParallel")
     return WHOLE_MODEL if name in _COUPLED else PER_GROUP
 
 

@@ -22,7 +22,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from commsched.config import Config
+from commsched.config import Config, ConfigError
+from commsched.errors import UnsupportedError
 
 from .engine import DataParallelEngine
 
@@ -176,19 +177,20 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError("commsched.wrap: pass the plain model, not a DistributedDataParallel")
+        raise UnsupportedError("commsched.wrap: pass the plain model, not a "
+                               "DistributedDataParallel")
     if isinstance(model, DataParallelModel) or isinstance(optimizer, DataParallelOptimizer):
-        raise TypeError("commsched.wrap: model or optimizer is already wrapped")
+        raise UnsupportedError("commsched.wrap: model or optimizer is already wrapped")
     config = config if config is not None else Config.from_env()
     if config.decompose in ("hier", "leader"):
-        raise ValueError(
+        raise ConfigError(
             f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
             "available in the data-parallel mode, which all-reduces on its own process "
             "group: use none, auto (= none here) or rs_ag (ZeRO-1)")
     if group_bytes is not None and (isinstance(group_bytes, bool)
                                     or not isinstance(group_bytes, int) or group_bytes < 0):
-        raise ValueError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
-                         "(bytes of gradients per layer group; 0: one group per module)")
+        raise ConfigError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
+                          "(bytes of gradients per layer group; 0: one group per module)")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
                   broadcast_buffers=broadcast_buffers, scheduler=scheduler, observer=observer)
     if config.decompose == "rs_ag":
@@ -246,6 +248,6 @@ def drain(obj) -> None:
     """
     engine = getattr(obj, "_engine", None)
     if not isinstance(engine, DataParallelEngine):
-        raise TypeError(f"commsched.drain: expected a model or optimizer returned by "
-                        f"commsched.wrap, got {type(obj).__name__}")
+        raise UnsupportedError(f"commsched.drain: expected a model or optimizer returned by "
+                               f"commsched.wrap, got {type(obj).__name__}")
     engine.drain()

@@ -42,6 +42,9 @@ from typing import List, Optional
 
 import torch
 
+from commsched.config import ConfigError
+from commsched.errors import DataParallelError, NotSupportedError, UnsupportedError
+
 from .actions import UPDATE, ZERO
 from .engine import WHOLE, DataParallelEngine, sibling_group
 from .groups import LayerGroup, copy_flags
@@ -70,10 +73,10 @@ class ZeroEngine(DataParallelEngine):
 
     def __init__(self, module, optimizer, config, group=None, **kwargs):
         if not is_elementwise(optimizer):
-            raise TypeError(
-                f"commsched data-parallel rs_ag: {type(optimizer).__name__} is not known to update "
-                "each element of a parameter independently, so a parameter shard cannot be "
-                "updated on its own; use decompose=none (all-reduce) with this optimizer")
+            raise UnsupportedError(
+                f"commsched data-parallel rs_ag: {type(optimizer).__name__} is not known to "
+                "update each element of a parameter independently, so a parameter shard cannot "
+                "be updated on its own; use decompose=none (all-reduce) with this optimizer")
         self._round = False         # a step's updates and all-gathers are not submitted yet
         self.used_request = None
         self._used_cache: Optional[List[bool]] = None
@@ -84,10 +87,10 @@ class ZeroEngine(DataParallelEngine):
         # behind a reduce-scatter of the backward that follows it.
         self.gather_group = sibling_group(group)
         if self.local or not all(g.fully_owned for g in self.groups):
-            raise ValueError("commsched data-parallel rs_ag: the optimizer must hold exactly the "
-                             "model's trainable parameters")
+            raise ConfigError("commsched data-parallel rs_ag: the optimizer must hold exactly "
+                              "the model's trainable parameters")
         if self.mode != PER_GROUP:
-            raise TypeError("commsched data-parallel rs_ag needs a per-parameter optimizer")
+            raise UnsupportedError("commsched data-parallel rs_ag needs a per-parameter optimizer")
         # All-gathers are submitted in forward (= priority) order from a forward pre-hook,
         # drain() or the next backward: their lane must not block on a collective there (a
         # plan exchange, or the configuration check of its creation, done here instead).
@@ -136,9 +139,9 @@ class ZeroEngine(DataParallelEngine):
     # ---- backward -------------------------------------------------------------------------
     def _before_accumulate(self, g: LayerGroup, i: int) -> None:
         if not g.consistent and self.params[i].grad is not None:
-            raise RuntimeError(
-                "commsched data-parallel rs_ag: a second synchronised backward accumulates into "
-                "gradients that were reduce-scattered (each rank holds only its shard). "
+            raise DataParallelError(
+                "commsched data-parallel rs_ag: a second synchronised backward accumulates "
+                "into gradients that were reduce-scattered (each rank holds only its shard). "
                 "Call optimizer.zero_grad() after each step, and use model.no_sync() for "
                 "gradient accumulation.")
 
@@ -335,8 +338,8 @@ class ZeroEngine(DataParallelEngine):
         self.drain()
         meta = state_dict.get("rs_ag_shard")
         if meta != {"rank": self.rank, "world_size": self.world_size}:
-            raise ValueError(f"commsched data-parallel rs_ag: state dict of shard {meta}, this is "
-                             f"rank {self.rank} of {self.world_size}")
+            raise ConfigError(f"commsched data-parallel rs_ag: state dict of shard {meta}, this "
+                              f"is rank {self.rank} of {self.world_size}")
         opt = self.optimizer
         for pg, saved in zip(opt.param_groups, state_dict["param_groups"]):
             pg.update(saved)
@@ -354,7 +357,7 @@ class ZeroEngine(DataParallelEngine):
                                             for key, v in saved.items()}
 
     def add_param_group(self, param_group: dict) -> None:
-        raise NotImplementedError("commsched data-parallel rs_ag: add_param_group after wrap")
+        raise NotSupportedError("commsched data-parallel rs_ag: add_param_group after wrap")
 
 
 def _slice_state(value, param, start: int, stop: int):

@@ -47,6 +47,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..errors import UnavailableError
 from .metrics import KIB, median
 from .nvml import (FIELD, HEALTH_COUNTERS, SCOPE_ALL_LINKS, NvmlBackend, discover_links,
                    resolve_gpu)
@@ -167,7 +168,7 @@ def nvlink_allreduce_check(sizes: Sequence[int] = (16 << 20, 256 << 20), iters: 
     from .recorder import _gpu_selector, open_recorder
 
     if not torch.cuda.is_available():
-        raise RuntimeError("nvlink_allreduce_check needs CUDA GPUs")
+        raise UnavailableError("nvlink_allreduce_check needs CUDA GPUs")
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
