@@ -2,7 +2,7 @@
 decompositions run on.
 
 Ranks are grouped into nodes of ``local_size`` consecutive ranks (torchrun numbers ranks
-node by node; ``LOCAL_WORLD_SIZE`` says how many share a node, ``COMMSCHED_LOCAL_SIZE``
+node by node; ``LOCAL_WORLD_SIZE`` says how many share a node, ``Config.local_size``
 overrides it, e.g. so that 4 CPU processes act as 2 nodes of 2). For world 8, local 4:
 
   intra groups  [0 1 2 3] [4 5 6 7]        fast links inside a node

@@ -11,7 +11,7 @@ the group — just before the next forward needs it.
   groups.py   layer groups: flat gradient buffers, GradView (.grad that syncs on read)
   update.py   per-group optimizer steps with recorded hyper-parameters
   zero.py     the rs_ag variant: reduce-scatter, sharded (ZeRO-1) update, all-gather
-  sparse.py   embedding gradients as rows (COMMSCHED_SPARSE_EMBEDDING_ROWS)
+  sparse.py   embedding gradients as rows (Config.sparse_embedding_rows)
 
 What falls back, and what is not supported:
 - Reading gradients between backward() and the updates (clip_grad_norm_, GradScaler's

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commsched.adapter import build_scheduler
-from commsched.config import MAX_BYTES, Config, ConfigError
+from commsched.config import MAX_BYTES, Config, ConfigError, env_fields
 from commsched.errors import CommschedWarning, DataParallelError, UnavailableError
 from commsched.scheduler import Scheduler
 
@@ -85,12 +85,12 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self.mode = update_mode(optimizer)
         self.recorder = None
         embeddings = find_sparse_embeddings(module, config.sparse_embedding_rows)
-        for name, var, used in (
-                ("grad_reduce_dtype", "COMMSCHED_GRAD_REDUCE_DTYPE",
-                 config.grad_reduce_dtype is not None),
-                ("sparse_embedding_rows", "COMMSCHED_SPARSE_EMBEDDING_ROWS", embeddings)):
+        variables = {f.name: f" ({var})" for var, f in env_fields().items()}
+        for name, used in (("grad_reduce_dtype", config.grad_reduce_dtype is not None),
+                           ("sparse_embedding_rows", embeddings)):
             if used and self.decompose != "none":
-                raise ConfigError(f"commsched.wrap: {name}={getattr(config, name)!r} ({var}) "
+                where = variables.get(name, "")
+                raise ConfigError(f"commsched.wrap: {name}={getattr(config, name)!r}{where} "
                                   f"needs decompose='none', not {self.decompose!r}")
         self.reduce_dtype = (None if config.grad_reduce_dtype is None
                              else getattr(torch, config.grad_reduce_dtype))

@@ -1,4 +1,4 @@
-"""Row gradients of large embeddings (``COMMSCHED_SPARSE_EMBEDDING_ROWS``).
+"""Row gradients of large embeddings (``Config.sparse_embedding_rows``).
 
 An embedding lookup's gradient touches only the rows of the tokens looked up, and it is
 complete only at the very end of backward (the lookup is the forward's first operation),

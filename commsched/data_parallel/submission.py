@@ -83,8 +83,8 @@ class GradientSubmission:
             f"commsched data-parallel: embedding weight {self.names[i]!r} received a dense "
             "gradient from outside its module's lookup (an output layer sharing it "
             "through a functional call?), but sends its gradient as rows "
-            "(COMMSCHED_SPARSE_EMBEDDING_ROWS): tie it by registering the same "
-            "Parameter in the output module, or set COMMSCHED_SPARSE_EMBEDDING_ROWS=0")
+            "(Config.sparse_embedding_rows): tie it by registering the same "
+            "Parameter in the output module, or set sparse_embedding_rows=0")
 
     def _before_accumulate(self, g: LayerGroup, i: int) -> None:
         """Checks of the rs_ag variant."""
@@ -249,7 +249,7 @@ class GradientSubmission:
                 raise DataParallelError(
                     f"commsched data-parallel: embedding {slot.name!r} looked up {tokens} tokens "
                     f"in this backward, {slot.tokens} in the first: with "
-                    "COMMSCHED_SPARSE_EMBEDDING_ROWS every backward must look up as many "
+                    "sparse_embedding_rows every backward must look up as many "
                     "tokens on every rank (pad the batch, or set it to 0)")
             with torch.no_grad():
                 slot.ids_all.narrow(0, r * tokens, tokens).copy_(ids)
@@ -271,7 +271,7 @@ class GradientSubmission:
         if len(set(counts)) != 1:
             raise DataParallelError(
                 f"commsched data-parallel: embedding {g.sparse.name!r} looked up {counts} tokens "
-                "on ranks 0.. in the first backward: with COMMSCHED_SPARSE_EMBEDDING_ROWS "
+                "on ranks 0.. in the first backward: with sparse_embedding_rows "
                 "every rank must look up as many (pad the batch, or set it to 0)")
         g.sparse.allocate(tokens, self.world_size)
         rows = g.sparse.weight.shape[0]
@@ -284,7 +284,7 @@ class GradientSubmission:
                 f"commsched data-parallel: embedding {g.sparse.name!r} sends "
                 f"{self.world_size} x {tokens} gradient rows per backward, at least its "
                 f"{rows} rows: the dense all-reduce would send about as much or less; "
-                "raise COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0")
+                "raise sparse_embedding_rows above its rows or set it to 0")
 
     def _end_iteration(self) -> None:
         self.scheduler.end_iteration(self.reduce_group)

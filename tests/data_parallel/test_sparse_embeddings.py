@@ -1,4 +1,4 @@
-"""COMMSCHED_SPARSE_EMBEDDING_ROWS: an embedding's lookup gradient sent as rows trains as
+"""Config.sparse_embedding_rows: an embedding's lookup gradient sent as rows trains as
 DistributedDataParallel does.
 
 A tiny language model (embedding, two blocks, an output layer tied to the embedding or
@@ -190,7 +190,7 @@ def _more_rows_than_the_weight(rank, world):
     assert [str(w.message) for w in caught if w.category is DataParallelWarning] == [
         "commsched data-parallel: embedding 'embed' sends 2 x 50 gradient rows per backward, at "
         "least its 97 rows: the dense all-reduce would send about as much or less; raise "
-        "COMMSCHED_SPARSE_EMBEDDING_ROWS above its rows or set it to 0"]
+        "sparse_embedding_rows above its rows or set it to 0"]
     opt.step()
     model.close()
 
@@ -250,6 +250,6 @@ def test_rs_ag_refuses_row_gradients(world1):
     from commsched.data_parallel import wrap
 
     net = TinyLM(False)
-    with pytest.raises(ValueError, match="COMMSCHED_SPARSE_EMBEDDING_ROWS"):
+    with pytest.raises(ValueError, match="sparse_embedding_rows=1 needs decompose='none'"):
         wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
                                Config(sparse_embedding_rows=1, decompose="rs_ag"))
