@@ -81,16 +81,15 @@ def _mode(max_ctas: int = 0, high_priority: bool = False):
 
 
 def add_modes() -> None:
-    """Insert the modes after the harness's own data-parallel modes (run order = table
-    order). Runs in the parent and, as the spawned workers' main module, in each worker."""
+    """Add the modes after the harness's own (run order = table order). Runs in the parent
+    and, as the spawned workers' main module, in each worker."""
     if any(m.name == "commsched_dp_hp" for m in harness.MODES):
         return
     extra = [harness.Mode(f"commsched_dp_cta{n}", f"6 as 6, NCCL max_ctas {n} on its own "
                           "groups", _mode(max_ctas=n)) for n in CTA_CAPS]
     extra.append(harness.Mode("commsched_dp_hp", "6 as 6, its own groups' NCCL stream at "
                               "high priority", _mode(high_priority=True)))
-    at = next(i for i, m in enumerate(harness.MODES) if m.name.startswith("megatron_"))
-    harness.MODES[at:at] = extra
+    harness.MODES.extend(extra)
     harness.MODE_NAMES[:] = [m.name for m in harness.MODES]
 
 
