@@ -49,7 +49,7 @@ with an ``on_tuning(dict)`` method, e.g. the telemetry recorder: table ``tuning`
 fields of :func:`Tuner._entry`.
 
 Example::
-    sched = commsched.adapter.build_scheduler(
+    sched, recorder = commsched.adapter.build_scheduler(
         commsched.Config(autotune=True, autotune_iters=5), device)
     ...  # train; then
     print(sched.tuning_log())

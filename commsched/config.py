@@ -144,7 +144,7 @@ class Config:
     or fifo (submission order); unset: fifo for Megatron-LM, priority elsewhere.
 
     Megatron-LM submits its bucket groups in the order its own overlap issues them
-    (``docs/design.md`` says why fifo is its default)."""
+    ([Note: Megatron's fifo default] in docs/design.md)."""
 
     decompose: Decompose = field(default="none", metadata=_env("COMMSCHED_DECOMPOSE",
                                                                SCHEDULER))

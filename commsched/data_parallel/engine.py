@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from commsched.adapter import build_scheduler
+from commsched.adapter import DATA_PARALLEL, adapter_config, build_scheduler, close
 from commsched.config import MAX_BYTES, Config, ConfigError, env_fields
 from commsched.errors import CommschedWarning, DataParallelError, UnavailableError
 from commsched.scheduler import Scheduler
@@ -140,7 +140,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         if scheduler is None:
             # (the recorder records the window the lane runs under)
             scheduler, self.recorder = build_scheduler(
-                self._lane_config(config), self.groups[0].device, policy="priority",
+                self._lane_config(config), self.groups[0].device, adapter=DATA_PARALLEL,
                 observer=observer, feeds_forward=True)
         self.scheduler = scheduler
         self._adopt_existing_grads()
@@ -186,7 +186,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         under one, later groups wait in the lane, where the priority of the first layers'
         group, reduced last in backward and needed first by the next forward, puts it
         first."""
-        config = config.with_policy("priority")
+        config = adapter_config(config, DATA_PARALLEL)
         if not self._group_window(config):
             return config
         largest = max(sent(g).nbytes for g in self.groups)
@@ -384,9 +384,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
             return
         self.closed = True
         self.remove_hooks()
-        self.scheduler.close()
-        if self.recorder is not None:
-            self.recorder.close()
+        close(self.scheduler, self.recorder, drain=False)
         for pg in self._own_groups():
             dist.destroy_process_group(pg)
 
