@@ -16,8 +16,7 @@ least its own (the largest size's winner beyond it).
 Calibration runs synchronously, at a point every rank reaches in the same collective
 sequence with nothing of the lane in flight: the lane's first request (the scheduler falls
 back to the static size rule, :func:`static_choice`, when ``auto`` is first asked for by a
-per-request override while chunks are in flight). It costs about one second on a GPU pair
-and is done once per lane.
+per-request override while chunks are in flight). It is done once per lane.
 
 Example::
     table = calibrate(topology, torch.device("cuda", 0), torch.float32)

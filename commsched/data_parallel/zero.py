@@ -64,7 +64,7 @@ class ZeroEngine(DataParallelEngine):
     """The data-parallel mode with reduce-scatter, a sharded optimizer update and all-gather."""
 
     decompose = "rs_ag"
-    windowed = False    # groups_in_flight does not apply (measured for all-reduces only)
+    windowed = False    # groups_in_flight windows whole all-reduces only
     lazy_forward_hooks = False  # the forward's first pre-hook runs the round (Invariant 2)
 
     @property
