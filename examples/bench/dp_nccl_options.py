@@ -16,7 +16,7 @@ reduction, and the all-gathers of rs_ag) are created with
                                  the device's highest priority
 
 They are n/a on gloo. The measurement that decided against such a setting:
-``benchmarks/dp_nccl_options_2xH100_2026-11-28.md``.
+``benchmarks/archive/dp_nccl_options_2xH100_2026-11-28.md``.
 """
 
 from __future__ import annotations
