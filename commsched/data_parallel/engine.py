@@ -385,8 +385,9 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self.closed = True
         self.remove_hooks()
         close(self.scheduler, self.recorder, drain=False)
-        for pg in self._own_groups():
-            dist.destroy_process_group(pg)
+        if dist.is_initialized():     # (else the groups went with the default group)
+            for pg in self._own_groups():
+                dist.destroy_process_group(pg)
 
     def _own_groups(self) -> list:
         return [self.reduce_group] + ([self.buffer_group] if self.buffer_group is not None
