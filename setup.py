@@ -8,7 +8,7 @@ setup(
     version="0.1.0",
     description="Priority/credit communication scheduler for PyTorch DDP and Megatron-core",
     python_requires=">=3.10",
-    packages=["commsched", "commsched.telemetry", "commsched.sim", "commsched.overlap",
+    packages=["commsched", "commsched.telemetry", "commsched.sim", "commsched.data_parallel",
               "commsched.hooks", "commsched.megatron_patches"],
     package_dir={
         "commsched": "commsched",

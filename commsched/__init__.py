@@ -23,9 +23,9 @@ def __getattr__(name):
     # The data-parallel mode and the adapters are imported on first use: ``import
     # commsched`` stays light for the DDP hook and the launcher.
     if name in ("wrap", "drain"):
-        from . import overlap
+        from . import data_parallel
 
-        return getattr(overlap, name)
+        return getattr(data_parallel, name)
     # (import_module, not `from . import`: that asks this function for the name first)
     if name == "hooks":
         return importlib.import_module("commsched.hooks")

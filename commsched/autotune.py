@@ -49,7 +49,7 @@ with an ``on_tuning(dict)`` method, e.g. the telemetry recorder: table ``tuning`
 fields of :func:`Tuner._entry`.
 
 Example::
-    sched = commsched.adapter.build_scheduler(
+    sched, recorder = commsched.adapter.build_scheduler(
         commsched.Config(autotune=True, autotune_iters=5), device)
     ...  # train; then
     print(sched.tuning_log())
@@ -64,10 +64,17 @@ import warnings
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .config import DECOMPOSITIONS
+from .errors import CommschedWarning
 from .observer import ChunkRecord, Extension, LaneInfo
 from .threads import start_thread
 
-__all__ = ["Settings", "Tuner", "search", "mean_iteration_ns", "SEARCH_DECOMPOSITIONS"]
+__all__ = ["Settings", "Tuner", "TuningWarning", "search", "mean_iteration_ns",
+           "SEARCH_DECOMPOSITIONS"]
+
+
+class TuningWarning(CommschedWarning, RuntimeWarning):
+    """The tuner's search failed; the lane keeps its settings."""
+
 
 SEARCH_DECOMPOSITIONS = ("none", "rs_ag")     # the decompositions the simulator models
 
@@ -354,7 +361,7 @@ class Tuner(Extension):
         if job.error is not None:
             self.last_error = f"{type(job.error).__name__}: {job.error}"
             warnings.warn(f"commsched autotune, lane {self.lane.name}: the search failed "
-                          f"({self.last_error}); settings unchanged", RuntimeWarning,
+                          f"({self.last_error}); settings unchanged", TuningWarning,
                           stacklevel=1)
             return [_FAILED] + [0] * 5
         settings, ms, old_ms = job.result

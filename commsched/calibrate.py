@@ -16,8 +16,7 @@ least its own (the largest size's winner beyond it).
 Calibration runs synchronously, at a point every rank reaches in the same collective
 sequence with nothing of the lane in flight: the lane's first request (the scheduler falls
 back to the static size rule, :func:`static_choice`, when ``auto`` is first asked for by a
-per-request override while chunks are in flight). It costs about one second on a GPU pair
-and is done once per lane.
+per-request override while chunks are in flight). It is done once per lane.
 
 Example::
     table = calibrate(topology, torch.device("cuda", 0), torch.float32)
@@ -33,6 +32,8 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .config import ConfigError
 
 __all__ = ["AutoTable", "calibrate", "run_decomposition", "static_choice",
            "CALIBRATION_SIZES", "REPEATS"]
@@ -106,7 +107,7 @@ def run_decomposition(tensor: torch.Tensor, decompose: str, topology, group=None
             dist.all_reduce(tensor, group=topology.leaders)
         dist.broadcast(tensor, src=topology.leader_rank, group=topology.intra)
         return
-    raise ValueError(f"decompose={decompose!r}: calibration knows none, hier, leader")
+    raise ConfigError(f"decompose={decompose!r}: calibration knows none, hier, leader")
 
 
 def calibrate(topology, device: torch.device, dtype: torch.dtype,

@@ -35,16 +35,16 @@ _COMMANDS = {
 
 def env_main(argv: List[str]) -> int:
     """Print every variable commsched reads, its value here, and whether it is valid."""
-    import dataclasses
     import os
 
-    from .config import ENV_VARS, Config, ConfigError, settings_table, shown_value
+    from .config import (ENV_VARS, GROUPS, Config, ConfigError, env_fields, settings_table,
+                         shown_value)
 
     if argv in (["-h"], ["--help"]):
-        print("usage: commsched env [--markdown]\n\nList every COMMSCHED_* variable, its value "
-              "here (or the default in effect) and its meaning; exit 2 if a value is "
-              "invalid.\n--markdown prints the settings table of the README instead "
-              "(defaults and meanings).")
+        print("usage: commsched env [--markdown]\n\nList every COMMSCHED_* variable by "
+              "concern, its value here (or the default in effect) and its rule; exit 2 if a "
+              "value is invalid.\n--markdown prints the settings tables of the README "
+              "instead (defaults and rules).")
         return 0
     if argv == ["--markdown"]:
         sys.stdout.write(settings_table())
@@ -52,10 +52,14 @@ def env_main(argv: List[str]) -> int:
     if argv:
         print(f"commsched env: error: unexpected arguments {argv}", file=sys.stderr)
         return 2
-    defaults = {f.metadata["env"]: shown_value(f, f.default) for f in dataclasses.fields(Config)}
-    for var, help_text in ENV_VARS.items():
-        value = os.environ.get(var, f"(default {defaults[var]})")
-        print(f"{var:<28} {value:<17} {help_text}")
+    fields = env_fields()
+    width = max(map(len, fields))
+    for group in GROUPS:
+        print(f"[{group}]")
+        for var, f in fields.items():
+            if f.metadata["group"] == group:
+                value = os.environ.get(var, f"(default {shown_value(f, f.default)})")
+                print(f"{var:<{width}} {value:<17} {ENV_VARS[var]}")
     try:
         Config.from_env()
     except ConfigError as exc:

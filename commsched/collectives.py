@@ -29,7 +29,8 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["steps_for", "issue_step", "finish_chunk", "all_reduce_options",
+__all__ = ["averages_in_collective", "steps_for", "issue_step", "finish_chunk",
+           "all_reduce_options",
            "reduce_scatter_options", "all_gather_options", "OptionsByOp"]
 
 # Single-tensor reduce-scatters and all-gathers go to the process group's own methods, as
@@ -42,6 +43,22 @@ _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
 _pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_scatter_base
 _pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
+
+
+def averages_in_collective(backend: str, cuda: bool, world_size: int) -> bool:
+    """Whether an average over a group runs inside the collective (``ReduceOp.AVG``): on
+    NCCL with CUDA tensors (gloo has no AVG), over a power-of-two group only. There 1/n is
+    exact, so NCCL's AVG (a multiply by 1/n before the sum), a multiply by 1/n and a
+    division by n are the same number, and results stay those of the adapter's reference
+    (DDP divides first; Megatron-LM averages in the collective). Elsewhere the adapter
+    scales first and sums. Every adapter asks this one function.
+
+    Example::
+        averages_in_collective(str(dist.get_backend(group)), tensor.is_cuda,
+                               dist.get_world_size(group))
+    """
+    return (cuda and "nccl" in backend.lower() and world_size > 0
+            and world_size & (world_size - 1) == 0)
 
 _STEPS = {
     ("all_reduce", "none"): ("all_reduce",),

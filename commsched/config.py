@@ -17,12 +17,13 @@ from typing import Dict, List, Literal, Mapping, Optional, get_args
 
 from .errors import CommschedError, CommschedWarning
 
-__all__ = ["Config", "ConfigError", "parse_bytes", "ENV_VARS", "MAX_BYTES", "REMOVED",
-           "field_docs", "settings_table", "warn_data_parallel_only"]
+__all__ = ["Config", "ConfigError", "parse_bytes", "BYTES_RULE", "ENV_VARS", "GROUPS",
+           "MAX_BYTES", "REMOVED", "env_fields", "field_docs", "setting_name",
+           "settings_table", "warn_data_parallel_only"]
 
 
 class ConfigError(CommschedError, ValueError):
-    """A configuration value was rejected; the message names the variable or argument."""
+    """A setting or argument was rejected; the message names the variable or argument."""
 
 
 Policy = Literal["priority", "fifo"]
@@ -32,13 +33,9 @@ POLICIES = get_args(Policy)
 REDUCE_DTYPES = get_args(ReduceDtype)
 DECOMPOSITIONS = get_args(Decompose)
 
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1 << 10,
-    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
-}
+_BYTE_UNITS = {"": 1, "b": 1}
+for _letter, _shift in (("k", 10), ("m", 20), ("g", 30)):
+    _BYTE_UNITS.update(dict.fromkeys((_letter, _letter + "b", _letter + "ib"), 1 << _shift))
 # ASCII digits only (\d would take any Unicode digit), at most 16 of them (int() of a
 # 5000-digit string raises ValueError, not a ConfigError).
 _BYTES_RE = re.compile(r"^\s*([0-9]{1,16})\s*([a-zA-Z]*)\s*$", re.ASCII)
@@ -46,6 +43,7 @@ _INT_RE = re.compile(r"^\s*([0-9]{1,12})\s*$", re.ASCII)
 # Far above any gradient bucket; guards against typos such as 4000GiB. Every byte field's
 # upper bound.
 MAX_BYTES = 1 << 40
+BYTES_RULE = "K, M and G (alone, or with B or iB) are powers of 1024"
 
 
 # Variables that were settings once, and what took their place: setting one is an error
@@ -53,7 +51,22 @@ MAX_BYTES = 1 << 40
 REMOVED = {
     "COMMSCHED_DISPATCH": "collectives are always issued by the thread that submits them "
                           "(the dispatch thread is gone)",
+    "COMMSCHED_LOCAL_SIZE": "the ranks per node come from torchrun's LOCAL_WORLD_SIZE "
+                            "(or Config(local_size=...))",
+    "COMMSCHED_PROFILE_ITERS": "pass Config(profile_iters=...)",
+    "COMMSCHED_PLAN_FORWARD": "the data-parallel mode plans for the next forward "
+                              "(Config(plan_forward=False): the greedy plan)",
+    "COMMSCHED_SPARSE_EMBEDDING_ROWS": "embedding gradients go dense with the first layers "
+                                       "(Config(sparse_embedding_rows=...) sends them as rows)",
+    "COMMSCHED_AUTOTUNE_ITERS": "pass Config(autotune_iters=...)",
+    "COMMSCHED_TELEMETRY_NVML_PER_LINK": "pass Config(telemetry_nvml_per_link=False) for "
+                                         "sums over links only",
 }
+
+# The concerns the settings are grouped by, in the order of the settings table.
+SCHEDULER, DATA_PARALLEL, TELEMETRY, TUNING = (
+    "scheduler", "data-parallel mode", "telemetry", "tuning")
+GROUPS = (SCHEDULER, DATA_PARALLEL, TELEMETRY, TUNING)
 
 
 def _byte_count(text: str) -> Optional[re.Match]:
@@ -63,7 +76,9 @@ def _byte_count(text: str) -> Optional[re.Match]:
 
 
 def parse_bytes(text: str, name: str) -> int:
-    """Parse ``"4194304"``, ``"4MiB"``, ``"64kb"`` or ``"inf"`` into a byte count.
+    """Parse ``"4194304"``, ``"4MiB"``, ``"4M"``, ``"64KB"`` or ``"inf"`` into a byte count:
+    the one byte parser of the settings and the scripts under ``examples/``. K, M and G
+    are powers of 1024 whichever way they are written.
 
     ``inf`` (or ``0`` where the field allows it) means unbounded and is returned as 0.
     ``name`` is the variable or argument named in the error message.
@@ -72,193 +87,197 @@ def parse_bytes(text: str, name: str) -> int:
         return 0
     m = _byte_count(text)
     if m is None:
-        raise ConfigError(
-            f"{name}={text!r}: expected a byte count such as 4194304, 4MiB, 512KiB, 1GiB or inf"
-        )
+        raise ConfigError(f"{name}={text!r}: expected a byte count such as 4194304, 4MiB, "
+                          f"512K, 1GiB or inf ({BYTES_RULE})")
     value = int(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
     if value > MAX_BYTES:
         raise ConfigError(f"{name}={text!r}: {value} bytes is larger than the 1 TiB limit")
     return value
 
 
-def _env(var: str, minimum: int = 0, maximum: int = MAX_BYTES, zero: str = "",
-         data_parallel: bool = False) -> dict:
-    """Field metadata: the variable, an int field's range, for a byte count what 0 means
-    where that is not "unbounded" (``inf`` is then refused rather than read as 0), and
-    whether only the data-parallel mode reads it (the DDP hook and the Megatron patches
-    send the buckets their framework hands them). The field's description is its attribute
-    docstring (see ``field_docs``)."""
-    return {"env": var, "min": minimum, "max": maximum, "zero": zero,
-            "data_parallel": data_parallel}
+def _env(var: Optional[str], group: str, minimum: int = 0, maximum: int = MAX_BYTES,
+         zero: str = "") -> dict:
+    """Field metadata: the variable (None: a constructor argument only), the concern it
+    belongs to, an int field's range, and for a byte count what 0 means where that is not
+    "unbounded" (``inf`` is then refused rather than read as 0). The data-parallel mode's
+    fields are read by it alone (the DDP hook and the Megatron patches send the buckets
+    their framework hands them). The field's description is its attribute docstring (see
+    ``field_docs``)."""
+    return {"env": var, "group": group, "min": minimum, "max": maximum, "zero": zero}
 
 
 @dataclass(frozen=True)
 class Config:
     """Validated commsched settings. Construct directly, or with ``Config.from_env()``.
 
-    Each field's attribute docstring is its one description: its first paragraph is the
-    help of ``commsched env`` and the README's settings table (``commsched env
-    --markdown``)."""
+    The fields are grouped by concern (``GROUPS``). Each field's attribute docstring is
+    its one description: its first paragraph, one line that states a rule, is the help of
+    ``commsched env`` and the README's settings table (``commsched env --markdown``); the
+    rest says why. A field without a variable is a constructor argument only."""
 
-    enabled: bool = field(default=False, metadata=_env("COMMSCHED"))
-    """Master switch of the launcher, 0 or 1: with 0 (or unset) nothing is patched or
-    registered and training runs exactly as without commsched."""
+    # ---- scheduler: every adapter ---------------------------------------------------------
+    enabled: bool = field(default=False, metadata=_env("COMMSCHED", SCHEDULER))
+    """0 or 1: the launcher's master switch; with 0 nothing is patched or registered."""
 
-    partition_bytes: int = field(default=0, metadata=_env("COMMSCHED_PARTITION_BYTES"))
-    """Chunk size requests are cut into (a remainder under 1/8 of it rides with the last
-    chunk); 0 or inf: whole requests. A chunk of a more urgent request can then go before
-    the queued chunks of others.
+    partition_bytes: int = field(default=0, metadata=_env("COMMSCHED_PARTITION_BYTES",
+                                                          SCHEDULER))
+    """Cut requests into chunks of this size, which a more urgent request may overtake;
+    0 or inf: whole requests.
 
-    Every chunk is one more collective to issue. The data-parallel mode cuts its layer
-    groups' all-reduces unless a window of whole groups applies (``groups_in_flight``);
-    rs_ag never cuts its reduce-scatters and all-gathers."""
+    A remainder under 1/8 of it rides with the last chunk. Every chunk is one more
+    collective to issue. The data-parallel mode cuts its layer groups' all-reduces unless a
+    window of whole groups applies (``groups_in_flight``); rs_ag never cuts its
+    reduce-scatters and all-gathers."""
 
-    credit_bytes: int = field(default=0, metadata=_env("COMMSCHED_CREDIT_BYTES"))
-    """Credit window: most bytes in flight per process group; 0 or inf: unbounded. A
-    chunk larger than the window goes alone once nothing else is in flight.
+    credit_bytes: int = field(default=0, metadata=_env("COMMSCHED_CREDIT_BYTES", SCHEDULER))
+    """Most bytes in flight per process group (a larger chunk goes alone); 0 or inf:
+    unbounded.
 
     A bounded window returns credit as collectives end on the device, through the lane's
-    completion thread: each chunk then costs a wake-up of that thread, and on a fast link
-    the window starves it. The data-parallel mode, where this is unbounded, gets a window
-    of whole layer groups instead (``groups_in_flight``)."""
+    completion thread: each chunk then costs a wake-up of that thread. The data-parallel
+    mode, where this is unbounded, gets a window of whole layer groups instead
+    (``groups_in_flight``)."""
 
+    policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY",
+                                                                 SCHEDULER))
+    """priority (a plan from device timings: what the next forward needs first, once ready)
+    or fifo (submission order); unset: fifo for Megatron-LM, priority elsewhere.
+
+    Megatron-LM submits its bucket groups in the order its own overlap issues them
+    ([Note: Megatron's fifo default] in docs/design.md)."""
+
+    decompose: Decompose = field(default="none", metadata=_env("COMMSCHED_DECOMPOSE",
+                                                               SCHEDULER))
+    """How an all-reduce runs: none, rs_ag, hier, leader, or auto (per chunk size the
+    fastest of none/hier/leader).
+
+    rs_ag: reduce-scatter then all-gather. hier: intra-node reduce-scatter, inter-node
+    all-reduce of each shard, intra-node all-gather. leader: reduce to a node leader,
+    all-reduce among leaders, broadcast. auto is timed once at the first request, and is
+    none on one node."""
+
+    local_size: int = field(default=0, metadata=_env(None, SCHEDULER, maximum=1 << 20))
+    """Ranks per node for hier, leader and auto; 0: torchrun's LOCAL_WORLD_SIZE (one node
+    when unset)."""
+
+    profile_iters: int = field(default=2, metadata=_env(None, SCHEDULER, minimum=1,
+                                                        maximum=100_000))
+    """Iterations of an unchanged request layout profiled on the device before a priority
+    plan is built; at least 1.
+
+    They run in fifo order; a lane's first iteration is not one of them."""
+
+    timeout_s: int = field(default=0, metadata=_env("COMMSCHED_TIMEOUT_S", SCHEDULER,
+                                                    maximum=30 * 24 * 3600))
+    """Seconds a collective may run before the waiting ranks get an error naming it; 0: the
+    process group's own timeout.
+
+    The error names the chunk, op, bytes, group and iteration."""
+
+    verify: bool = field(default=False, metadata=_env("COMMSCHED_VERIFY", SCHEDULER))
+    """0 or 1: check every iteration's dispatch sequence across ranks (one small collective
+    per iteration)."""
+
+    # ---- data-parallel mode (commsched.wrap) only -----------------------------------------
     group_bytes: int = field(default=256 << 20, metadata=_env(
-        "COMMSCHED_GROUP_BYTES", zero="one layer group per module", data_parallel=True))
-    """Data-parallel mode (``commsched.wrap``): a layer group, the unit of communication
-    and of optimizer update, closes at a module boundary once it holds this many bytes of
-    gradients; 0: one group per module. ``wrap(group_bytes=...)`` overrides it.
+        "COMMSCHED_GROUP_BYTES", DATA_PARALLEL, zero="one layer group per module"))
+    """A layer group (unit of communication and update) closes at a module boundary at this
+    many bytes of gradients; 0: one per module.
 
-    Each group is one request per iteration: smaller groups overlap more but cost more
-    host time per iteration, larger ones expose more of the last group's communication."""
+    ``wrap(group_bytes=...)`` overrides it. Each group is one request per iteration:
+    smaller groups overlap more but cost more host time per iteration, larger ones expose
+    more of the last group's communication."""
 
     first_group_bytes: int = field(default=0, metadata=_env(
-        "COMMSCHED_FIRST_GROUP_BYTES", zero="off", data_parallel=True))
-    """Data-parallel mode: the layer group holding the model's first layers closes once it
-    holds this many bytes of gradients, each next group at twice the one before, up to
-    ``group_bytes``; 0: off (every group ``group_bytes``).
+        "COMMSCHED_FIRST_GROUP_BYTES", DATA_PARALLEL, zero="off"))
+    """The first layers' group closes at this size, each next at twice the one before, up to
+    the group size; 0: off.
 
     The first layers' group is reduced last in backward and needed first by the next
     forward: no compute hides its all-reduce. A smaller one shortens that wait, for a few
     more requests per iteration."""
 
     groups_in_flight: int = field(default=0, metadata=_env(
-        "COMMSCHED_GROUPS_IN_FLIGHT", maximum=1 << 20, data_parallel=True))
-    """Data-parallel mode, decompose none, with the credit window unbounded: at most this
-    many layer groups in flight, later ones held in the scheduler until one completes; 0:
-    no such window, the plan orders the groups on the link (the default).
+        "COMMSCHED_GROUPS_IN_FLIGHT", DATA_PARALLEL, maximum=1 << 20))
+    """At most this many layer groups in flight (decompose none, no credit window); 0: the
+    plan orders them, nothing is held back.
 
     An override: the plan, built from the device's timings, already puts the first
     layers' group ahead of the queued ones in the stream, without holding anything back
     on the host."""
 
-    sparse_embedding_rows: int = field(default=0, metadata=_env(
-        "COMMSCHED_SPARSE_EMBEDDING_ROWS", maximum=1 << 40, data_parallel=True))
-    """Data-parallel mode, decompose none: an ``nn.Embedding`` with at least this many rows
-    sends its lookup's gradient as the rows the batch touched (token ids and rows,
-    all-gathered at the end of backward) instead of in the first layers' dense
-    all-reduce, and a weight tied to an output layer has that layer's dense gradient
-    reduced as soon as backward produced it; 0: off. Every rank's backward must look up
-    as many tokens.
-
-    The gathered rows are world size x tokens per rank x width: they can pay only while
-    that is well under the embedding's rows x width. Values are DDP's sums, added in
-    another order (``commsched/overlap/sparse.py``). Off by default: it did not pay on the
-    models measured (``benchmarks/dp_rows_window_2xH200_2026-11-28.md``)."""
-
     grad_reduce_dtype: Optional[ReduceDtype] = field(default=None, metadata=_env(
-        "COMMSCHED_GRAD_REDUCE_DTYPE", data_parallel=True))
-    """Data-parallel mode, decompose none: bfloat16 or float16 casts each layer group's
-    gradients to that type for its all-reduce (half the bytes of float32 on the link) and
-    back after it, as DDP's ``bf16_compress_hook`` / ``fp16_compress_hook`` do; unset: the
-    gradients' own type.
+        "COMMSCHED_GRAD_REDUCE_DTYPE", DATA_PARALLEL))
+    """bfloat16 or float16: all-reduce each layer group in that type, as DDP's
+    ``bf16_compress_hook`` does; unset: the gradients' own type.
 
-    The reduced gradients then carry that type's rounding (about 3 significant digits for
-    bfloat16), as with those DDP hooks: compare against them, not against float32 DDP.
-    Costs a buffer of that type per layer group (half the gradients' memory). Row
-    gradients (``COMMSCHED_SPARSE_EMBEDDING_ROWS``) are gathered in their own type."""
+    Decompose none only. The reduced gradients carry that type's rounding, as with those
+    DDP hooks: compare against them, not against float32 DDP. Costs a buffer of that type
+    per layer group. Row gradients (``sparse_embedding_rows``) are gathered in their own
+    type."""
 
-    policy: Optional[Policy] = field(default=None, metadata=_env("COMMSCHED_POLICY"))
-    """Dispatch order: priority (a plan built from profiled iterations on the device's
-    clock: what the next forward needs first, once it is ready, on a link that runs one
-    collective at a time) or fifo (the order requests are submitted); unset: fifo for
-    Megatron-LM's bucket groups, priority elsewhere.
+    sparse_embedding_rows: int = field(default=0, metadata=_env(None, DATA_PARALLEL,
+                                                                maximum=1 << 40))
+    """An ``nn.Embedding`` with at least this many rows sends its gradient as the rows the
+    batch looked up; 0: off.
 
-    Megatron-LM submits its bucket groups' collectives in the order its own overlap issues
-    them (``docs/design.md`` links the measurement behind its default)."""
+    Decompose none only. Token ids and rows are all-gathered at the end of backward instead
+    of joining the first layers' dense all-reduce, and a weight tied to an output layer has
+    that layer's dense gradient reduced as soon as backward produced it. Every rank's
+    backward must look up as many tokens. The gathered rows are world size x tokens per
+    rank x width: they can pay only while that is well under the embedding's rows x width.
+    Values are DDP's sums, added in another order (``commsched/data_parallel/sparse.py``)."""
 
-    plan_forward: bool = field(default=True, metadata=_env("COMMSCHED_PLAN_FORWARD",
-                                                           data_parallel=True))
-    """Data-parallel mode with whole layer groups and policy priority, 0 or 1: 1 orders the
-    groups so that the next forward ends soonest (a ready group may wait for one the
-    forward needs earlier); 0 uses the greedy priority replay, as the other adapters do.
+    plan_forward: bool = field(default=True, metadata=_env(None, DATA_PARALLEL))
+    """With whole layer groups and policy priority, order the groups so that the next
+    forward ends soonest; False: the greedy priority plan of the other adapters.
 
-    See :mod:`commsched.plan` for the model the plan is built on."""
+    A ready group may then wait for one the forward needs earlier. :mod:`commsched.plan`
+    describes the model the plan is built on."""
 
-    decompose: Decompose = field(default="none", metadata=_env("COMMSCHED_DECOMPOSE"))
-    """How an all-reduce chunk runs: none (one all-reduce), rs_ag (reduce-scatter then
-    all-gather), hier (intra-node reduce-scatter, inter-node all-reduce of each shard,
-    intra-node all-gather), leader (reduce to a node leader, all-reduce among leaders,
-    broadcast), auto (per chunk size the fastest of none/hier/leader, timed once at the
-    first request; none on one node)."""
-
-    local_size: int = field(default=0, metadata=_env("COMMSCHED_LOCAL_SIZE",
-                                                     maximum=1 << 20))
-    """Ranks per node for hier, leader and auto; 0: the launcher's LOCAL_WORLD_SIZE (all
-    ranks one node when unset)."""
-
-    profile_iters: int = field(default=2, metadata=_env(
-        "COMMSCHED_PROFILE_ITERS", minimum=1, maximum=100_000))
-    """Iterations with an unchanged request layout, run in fifo order and profiled on the
-    device, before a priority plan is built; at least 1. A lane's first iteration is not
-    one of them."""
-
-    timeout_s: int = field(default=0, metadata=_env("COMMSCHED_TIMEOUT_S",
-                                                    maximum=30 * 24 * 3600))
-    """Seconds a collective may run without completing before the waiting ranks get an
-    error naming it (chunk, op, bytes, group, iteration); 0: the process group's own
-    timeout."""
-
-    verify: bool = field(default=False, metadata=_env("COMMSCHED_VERIFY"))
-    """0 or 1: cross-check every iteration's dispatch sequence across ranks (one small
-    collective per iteration) and report the first divergence."""
-
-    autotune: bool = field(default=False, metadata=_env("COMMSCHED_AUTOTUNE"))
-    """0 or 1: once a process group's request layout is stable, profile it, pick the
-    partition size, credit window (and none/rs_ag) on the simulator, try that and keep it
-    only if iterations got faster. Changes timing only, never results.
-
-    One round per stable layout; every switch is agreed in the collective sequence. The
-    decisions are in ``Scheduler.tuning_log()`` and the telemetry table ``tuning``."""
-
-    autotune_iters: int = field(default=5, metadata=_env(
-        "COMMSCHED_AUTOTUNE_ITERS", minimum=2, maximum=100_000))
-    """Iterations the autotuner profiles as its baseline and measures as its trial; at
-    least 2."""
-
+    # ---- telemetry ------------------------------------------------------------------------
     telemetry_dir: Optional[str] = field(default=None, metadata=_env(
-        "COMMSCHED_TELEMETRY_DIR"))
-    """Directory under which each launch writes a run directory, named by its start time,
-    holding the telemetry store (SQLite, one file per rank); ``commsched report DIR`` reads
-    the newest. Unset: no telemetry."""
+        "COMMSCHED_TELEMETRY_DIR", TELEMETRY))
+    """Each launch records into a new run directory under this one (``commsched report
+    DIR``); unset: no telemetry.
 
-    nvtx: bool = field(default=False, metadata=_env("COMMSCHED_NVTX"))
-    """0 or 1: NVTX ranges around dispatched chunks and iterations (Nsight Systems)."""
+    A run directory is named by its start time and holds one SQLite store per rank;
+    ``commsched report`` and ``commsched trace`` read the newest."""
+
+    nvtx: bool = field(default=False, metadata=_env("COMMSCHED_NVTX", TELEMETRY))
+    """0 or 1: NVTX ranges around dispatched chunks and iterations, for Nsight Systems."""
 
     telemetry_nvml_period_ms: int = field(default=100, metadata=_env(
-        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS", maximum=3_600_000))
-    """NVLink counter sampling period in ms, in a background thread (samples are also
-    taken at iteration boundaries); 0: no NVML sampling."""
+        "COMMSCHED_TELEMETRY_NVML_PERIOD_MS", TELEMETRY, maximum=3_600_000))
+    """Period in ms of the background thread sampling NVLink counters; 0: no NVML sampling.
 
-    telemetry_nvml_per_link: bool = field(default=True, metadata=_env(
-        "COMMSCHED_TELEMETRY_NVML_PER_LINK"))
-    """0 or 1: 1 reads the NVLink DATA counters link by link in the samples at iteration
-    boundaries (a read costs about ten times one of the sums over links, which the
-    periodic samples take); 0: sums over links only."""
+    Samples are also taken at iteration boundaries."""
+
+    telemetry_nvml_per_link: bool = field(default=True, metadata=_env(None, TELEMETRY))
+    """Read the NVLink counters link by link at iteration boundaries; False: sums over
+    links only.
+
+    A per-link read costs many times a read of the sums, which the periodic samples take
+    (``docs/telemetry.md``)."""
 
     telemetry_max_bytes: int = field(default=0, metadata=_env(
-        "COMMSCHED_TELEMETRY_MAX_BYTES"))
-    """Size cap of each rank's telemetry store; at the cap telemetry turns itself off with
-    one warning. 0 or inf: no cap."""
+        "COMMSCHED_TELEMETRY_MAX_BYTES", TELEMETRY))
+    """Size cap of each rank's telemetry store, where telemetry turns itself off with one
+    warning; 0 or inf: no cap."""
+
+    # ---- tuning ---------------------------------------------------------------------------
+    autotune: bool = field(default=False, metadata=_env("COMMSCHED_AUTOTUNE", TUNING))
+    """0 or 1: once a layout is stable, try the partition size, credit window and
+    decomposition the simulator picks; keep them only if iterations got faster.
+
+    Changes timing only, never results. One round per stable layout; every switch is
+    agreed in the collective sequence. The decisions are in ``Scheduler.tuning_log()`` and
+    the telemetry table ``tuning``."""
+
+    autotune_iters: int = field(default=5, metadata=_env(None, TUNING, minimum=2,
+                                                         maximum=100_000))
+    """Iterations the tuner profiles as its baseline and measures as its trial; at least
+    2."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -278,15 +297,16 @@ class Config:
                 f"telemetry_dir={self.telemetry_dir!r}: expected a non-empty path or None")
 
     def data_parallel_only(self) -> List[str]:
-        """The variables of the settings that only the data-parallel mode reads
-        (``commsched.wrap``) which this config sets away from their defaults."""
-        return [f.metadata["env"] for f in dataclasses.fields(self)
-                if f.metadata["data_parallel"] and getattr(self, f.name) != f.default]
+        """The settings that only the data-parallel mode reads (``commsched.wrap``) which
+        this config sets away from their defaults: their variables, or their field names
+        where they have none."""
+        return [setting_name(f) for f in dataclasses.fields(self)
+                if f.metadata["group"] == DATA_PARALLEL and getattr(self, f.name) != f.default]
 
     def changed_settings(self) -> List[str]:
-        """``VAR=value`` for each setting this config holds away from its default, the
-        master switch aside, in the order of the settings table."""
-        return [f"{f.metadata['env']}={shown_value(f, getattr(self, f.name))}"
+        """``VAR=value`` (``field=value`` for a constructor argument) for each setting this
+        config holds away from its default, the master switch aside, in field order."""
+        return [f"{setting_name(f)}={shown_value(f, getattr(self, f.name))}"
                 for f in dataclasses.fields(self)
                 if f.name != "enabled" and getattr(self, f.name) != f.default]
 
@@ -307,7 +327,7 @@ class Config:
         variable silently ignored is a setting silently not applied.
         """
         environ = os.environ if environ is None else environ
-        known = {f.metadata["env"]: f for f in dataclasses.fields(cls)}
+        known = env_fields()
         for var in environ:
             if var in REMOVED:
                 raise ConfigError(f"{var}: no longer a commsched setting: {REMOVED[var]}; "
@@ -324,6 +344,25 @@ class Config:
                 continue
             values[f.name] = _parse_field(f, var, raw)
         return cls(**values)
+
+    @classmethod
+    def parse(cls, name: str, raw: str):
+        """The value of field ``name`` written as its variable would be (``"4MiB"``,
+        ``"1"``, ``"fifo"``): for scripts that take settings as ``FIELD=VALUE``."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if name not in fields:
+            raise ConfigError(f"{name}: not a Config field ({', '.join(fields)})")
+        return _parse_field(fields[name], name, raw)
+
+
+def env_fields() -> Dict[str, dataclasses.Field]:
+    """The fields read from the environment, by variable, in field order."""
+    return {f.metadata["env"]: f for f in dataclasses.fields(Config) if f.metadata["env"]}
+
+
+def setting_name(f: dataclasses.Field) -> str:
+    """How a setting is named to the user: its variable, or its field where it has none."""
+    return f.metadata["env"] or f.name
 
 
 def warn_data_parallel_only(config: "Config", adapter: str, stacklevel: int = 2) -> None:
@@ -368,7 +407,7 @@ def _parse_field(f: dataclasses.Field, var: str, raw: str):
         if not raw.strip():
             raise ConfigError(f"{var}={raw!r}: expected a directory path")
         return raw
-    raise AssertionError(f"no parser for {f.name}")  # pragma: no cover
+    raise ConfigError(f"{var}: no parser for field {f.name}")  # pragma: no cover
 
 
 def _choice(var: str, raw: str, choices) -> str:
@@ -416,7 +455,7 @@ def _summary(doc: str) -> str:
 
 
 _DOCS = field_docs()
-ENV_VARS = {f.metadata["env"]: _summary(_DOCS.get(f.name, "")) for f in dataclasses.fields(Config)}
+ENV_VARS = {var: _summary(_DOCS.get(f.name, "")) for var, f in env_fields().items()}
 """Every environment variable commsched reads, with its description's first paragraph."""
 
 
@@ -439,9 +478,13 @@ def shown_value(f: dataclasses.Field, value) -> str:
 
 
 def settings_table() -> str:
-    """The README's settings table, in markdown: variable, default, description."""
-    lines = ["| variable | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(Config):
-        lines.append(f"| `{f.metadata['env']}` | `{_shown_default(f)}` | "
-                     f"{_summary(_DOCS.get(f.name, ''))} |")
-    return "\n".join(lines) + "\n"
+    """The README's settings table, in markdown: one table per concern, each row a variable,
+    its default and its rule."""
+    out = []
+    for group in GROUPS:
+        rows = [f for f in env_fields().values() if f.metadata["group"] == group]
+        out += [f"**{group.capitalize()}**", "", "| variable | default | rule |", "|---|---|---|"]
+        out += [f"| `{f.metadata['env']}` | `{_shown_default(f)}` | "
+                f"{_summary(_DOCS.get(f.name, ''))} |" for f in rows]
+        out.append("")
+    return "\n".join(out)

@@ -11,7 +11,8 @@
   that it is on and with which settings, where telemetry went.
 """
 
-__all__ = ["CommschedError", "CommschedWarning", "SchedulerError"]
+__all__ = ["CommschedError", "CommschedWarning", "DataParallelError", "NotSupportedError",
+           "SchedulerError", "UnavailableError", "UnsupportedError"]
 
 
 class CommschedError(Exception):
@@ -20,6 +21,26 @@ class CommschedError(Exception):
 
 class SchedulerError(CommschedError, RuntimeError):
     """A request could not be scheduled, or a collective it ran failed."""
+
+
+class DataParallelError(CommschedError, RuntimeError):
+    """The data-parallel mode refused what the training loop did; the message says how to
+    change the loop."""
+
+
+class UnsupportedError(CommschedError, TypeError):
+    """commsched was handed an object of a kind it cannot take (an optimizer it cannot
+    defer, a model already wrapped)."""
+
+
+class NotSupportedError(CommschedError, NotImplementedError):
+    """An operation commsched does not provide in this state (a method a subclass must
+    supply, ``add_param_group`` after ``wrap``)."""
+
+
+class UnavailableError(CommschedError, RuntimeError):
+    """What was asked needs something this process does not have (CUDA devices, an
+    initialised ``torch.distributed``)."""
 
 
 class CommschedWarning(UserWarning):

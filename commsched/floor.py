@@ -36,7 +36,11 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["FLOOR_FILE", "floor_efficiency", "verdict", "load_floor", "save_floor", "main"]
+from .config import ConfigError
+from .errors import CommschedError
+
+__all__ = ["FLOOR_FILE", "FloorError", "floor_efficiency", "verdict", "load_floor",
+           "save_floor", "main"]
 
 PROG = "commsched floor"
 FLOOR_FILE = "floor.json"
@@ -46,6 +50,10 @@ DEFAULT_ITERS = 20
 DEFAULT_WARMUP = 5
 # Efficiency at or above this: the step is at its floor, within timing noise.
 AT_FLOOR = 0.97
+
+
+class FloorError(CommschedError, RuntimeError):
+    """One of the floor's launches failed; the message holds the end of its output."""
 
 
 def floor_efficiency(compute_ms: float, comm_ms: float,
@@ -151,17 +159,17 @@ def _split(argv: List[str]) -> Tuple[Dict[str, object], List[str]]:
                 i += 1
                 value = argv[i]
             else:
-                raise ValueError(f"{name} needs a value")
+                raise ConfigError(f"{name} needs a value")
             try:
                 own[name[2:]] = _OWN[name](value)
             except ValueError:
-                raise ValueError(f"{name} {value!r}: expected a number") from None
+                raise ConfigError(f"{name} {value!r}: expected a number") from None
         else:
             break
         i += 1
     if own["iters"] < 1 or own["warmup"] < 1:
-        raise ValueError("--iters and --warmup must be at least 1 (the first warm-up "
-                         "iteration is where DDP settles its buckets)")
+        raise ConfigError("--iters and --warmup must be at least 1 (the first warm-up "
+                          "iteration is where DDP settles its buckets)")
     return own, argv[i:]
 
 
@@ -174,16 +182,16 @@ def _torchrun_parts(launch: List[str]) -> Tuple[List[str], List[str]]:
     try:
         args = parser.parse_args(launch)
     except SystemExit:
-        raise ValueError(f"not a torchrun command line: {' '.join(launch)!r}") from None
+        raise ConfigError(f"not a torchrun command line: {' '.join(launch)!r}") from None
     if args.no_python:
-        raise ValueError("--no-python is not supported: the script must be Python")
+        raise ConfigError("--no-python is not supported: the script must be Python")
     tail = [args.training_script, *args.training_script_args]
     options = launch[:len(launch) - len(tail)]
     options = [o for o in options if o not in ("-m", "--module")]
     if args.module:
         return options, ["-m", *tail]
     if not os.path.isfile(args.training_script):
-        raise ValueError(f"SCRIPT {args.training_script!r} is not a file")
+        raise ConfigError(f"SCRIPT {args.training_script!r} is not a file")
     return options, tail
 
 
@@ -216,7 +224,7 @@ def _read_results(scratch: str, mode: str) -> List[dict]:
 
 
 def measure(own: Dict[str, object], options: List[str], target: List[str]) -> Dict[str, object]:
-    """Run the three launches; the result (raises ``RuntimeError`` naming a failed one)."""
+    """Run the three launches; the result (raises ``FloorError`` naming a failed one)."""
     scratch = tempfile.mkdtemp(prefix="commsched-floor-")
     try:
         per_mode: Dict[str, List[dict]] = {}
@@ -229,8 +237,8 @@ def measure(own: Dict[str, object], options: List[str], target: List[str]) -> Di
                     f"timed out after {own['timeout']:.0f} s" if code == 124
                     else f"no rank reported a result (exit status {code})")
                 tail = "\n".join(output.strip().splitlines()[-30:])
-                raise RuntimeError(f"the {mode} launch failed: {why}\n--- its output "
-                                   f"(last lines) ---\n{tail}")
+                raise FloorError(f"the {mode} launch failed: {why}\n--- its output "
+                                 f"(last lines) ---\n{tail}")
             per_mode[mode] = results
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -292,7 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         own, launch = _split(argv)
         if not launch:
-            raise ValueError("no torchrun command line (e.g. --nproc-per-node 2 train.py)")
+            raise ConfigError("no torchrun command line (e.g. --nproc-per-node 2 train.py)")
         options, target = _torchrun_parts(launch)
     except ValueError as exc:
         print(f"{PROG}: error: {exc}\n{USAGE}", file=sys.stderr)

@@ -20,8 +20,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .collectives import (OptionsByOp, all_gather_options, all_reduce_options, finish_chunk,
-                          issue_step, reduce_scatter_options)
+from .collectives import (OptionsByOp, all_gather_options, all_reduce_options,
+                          averages_in_collective, finish_chunk, issue_step,
+                          reduce_scatter_options)
 from .observer import DeviceMark
 from .readiness import Marks
 from .workers import retain
@@ -97,11 +98,9 @@ class Issuer:
         self.book = book
         self.ext = ext
         self.timed = timed
-        # NCCL averages inside the collective (ReduceOp.AVG), saving the division's pass
-        # over the tensor. Only where 1/n is exact (n a power of two): x * (1/n) and x / n
-        # are then the same number, so results stay those of dividing first, as DDP does.
-        self.kernel_average = (self.cuda and "nccl" in str(dist.get_backend(group))
-                               and world_size & (world_size - 1) == 0)
+        # Averaging inside the collective saves the division's pass over the tensor.
+        self.kernel_average = averages_in_collective(str(dist.get_backend(group)), self.cuda,
+                                                     world_size)
         self.reduce_options = OptionsByOp(all_reduce_options).get
         self.sync_reduce_options = OptionsByOp(
             lambda reduce_op: all_reduce_options(reduce_op, async_op=False)).get

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
+from .errors import NotSupportedError
+
 __all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Extension", "Extensions",
            "LaneInfo", "Observer", "as_extension"]
 
@@ -196,7 +198,8 @@ class Observer(Extension):
 
     def on_chunk(self, record: ChunkRecord) -> None:
         """A chunk step finished on the device. Called where ``on_chunks`` is."""
-        raise NotImplementedError
+        raise NotSupportedError(f"{type(self).__name__}: an Observer implements on_chunk "
+                                "or on_chunks")
 
     def on_iteration(self, record: IterationRecord) -> None:
         """A lane's iteration was flushed (all its requests submitted). Training thread."""

@@ -152,7 +152,7 @@ SERIAL_LINK = 1
 # (the gradients of the input and of the weight).
 FORWARD_SHARE = 0.5
 # The branch and bound's budget, in bound terms evaluated (a node with k requests left
-# costs k * k; ~50 ms of Python): it returns the best order found within it. Six layer
+# costs k * k): it returns the best order found within it, a small share of an iteration. Six layer
 # groups take ~200, twenty ~10^5; a search cut short keeps the best order found so far.
 SEARCH_WORK = 100_000
 

@@ -2,7 +2,7 @@
 decompositions run on.
 
 Ranks are grouped into nodes of ``local_size`` consecutive ranks (torchrun numbers ranks
-node by node; ``LOCAL_WORLD_SIZE`` says how many share a node, ``COMMSCHED_LOCAL_SIZE``
+node by node; ``LOCAL_WORLD_SIZE`` says how many share a node, ``Config.local_size``
 overrides it, e.g. so that 4 CPU processes act as 2 nodes of 2). For world 8, local 4:
 
   intra groups  [0 1 2 3] [4 5 6 7]        fast links inside a node
@@ -19,6 +19,8 @@ import os
 from typing import Optional
 
 import torch.distributed as dist
+
+from .config import ConfigError
 
 __all__ = ["Topology", "local_size_from_env"]
 
@@ -38,13 +40,13 @@ class Topology:
 
     def __init__(self, group, local_size: int):
         if group is not dist.group.WORLD and group != dist.group.WORLD:
-            raise ValueError("decompose hier/leader/auto: supported on the default process "
-                             "group only (sub-groups are created over it)")
+            raise ConfigError("decompose hier/leader/auto: supported on the default process "
+                              "group only (sub-groups are created over it)")
         ranks = dist.get_process_group_ranks(group)
         world = len(ranks)
         if local_size < 1 or world % local_size:
-            raise ValueError(f"COMMSCHED_LOCAL_SIZE={local_size}: the {world} ranks do not "
-                             f"divide into nodes of {local_size}")
+            raise ConfigError(f"local_size={local_size} (LOCAL_WORLD_SIZE): the {world} ranks "
+                              f"do not divide into nodes of {local_size}")
         me = dist.get_rank()
         self.local_size = local_size
         self.nodes = world // local_size

@@ -16,7 +16,7 @@ A bucket the plan or the credit window held back returns the request's future, r
 once issued, with no stream; the last bucket's call then makes the current stream wait for
 every collective issued (``Scheduler.join``) before DDP reads the buckets. One wait for
 all would queue every copy behind the last collective, which costs more than the futures
-(measured: ``docs/design.md`` links the report). On CPU the futures resolve when the
+([Note: the hot path] in docs/design.md). On CPU the futures resolve when the
 collectives finished.
 
 Averaging is DDP's: the bucket divided by the group size, then summed. On NCCL with a
@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from commsched.adapter import build_scheduler, close
+from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
 from commsched.config import Config, warn_data_parallel_only
 from commsched.errors import CommschedError
 from commsched.scheduler import Scheduler
@@ -66,7 +66,7 @@ class CommschedState:
         self.recorder = None
         if scheduler is None:
             scheduler, self.recorder = build_scheduler(
-                config, next(ddp_model.parameters()).device, policy="priority",
+                config, next(ddp_model.parameters()).device, adapter=DDP_HOOK,
                 observer=observer)
         self.scheduler = scheduler
         self.group = group if group is not None else getattr(ddp_model, "process_group", None)
@@ -150,7 +150,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
     existing = registered_state(ddp_model)
     if existing is not None:
         if not state_kwargs and (
-                config is None or config.with_policy("priority") == existing.scheduler.config):
+                config is None or adapter_config(config, DDP_HOOK) == existing.scheduler.config):
             return existing
         raise HookConflictError(
             f"commsched.hooks.register: {describe(ddp_model)} already has the commsched hook, "

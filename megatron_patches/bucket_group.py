@@ -81,7 +81,8 @@ import torch
 import torch.distributed as dist
 
 from commsched import notices
-from commsched.adapter import build_scheduler, close
+from commsched.adapter import MEGATRON, adapter_config, build_scheduler, close
+from commsched.collectives import averages_in_collective
 from commsched.config import Config
 from commsched.errors import CommschedWarning
 from commsched.scheduler import Request, Scheduler
@@ -218,7 +219,7 @@ class Runtime:
 
     def __init__(self, config: Config, series: MegatronSeries, originals: Dict[str, Callable],
                  is_quantized: Callable, observer=None, version: str = "?"):
-        self.config = config.with_policy("fifo")
+        self.config = adapter_config(config, MEGATRON)
         self.version = version
         self.series = series
         self.features = series.features
@@ -367,7 +368,7 @@ class Runtime:
             with self._lock:
                 if self.scheduler is None:
                     self.scheduler, self.recorder = build_scheduler(
-                        self.config, device, policy="fifo", observer=self.observer)
+                        self.config, device, adapter=MEGATRON, observer=self.observer)
                     recorder = self.recorder
                     notices.started(
                         f"megatron-core {self.version} bucket-group collectives go through "
@@ -383,14 +384,15 @@ class Runtime:
 
 
 def _reduction(average: bool, group, tensor: torch.Tensor):
-    """(reduce_op, pre-scale) for ``average_in_collective``: NCCL's ReduceOp.AVG where the
-    backend has it (exactly what stock megatron runs); elsewhere (gloo has no AVG) NCCL's
-    own definition of AVG for floating point, a multiply by 1/size before the sum."""
+    """(reduce_op, pre-scale) for ``average_in_collective``, by the one rule of
+    ``averages_in_collective``: ReduceOp.AVG where it applies, elsewhere NCCL's own
+    definition of AVG for floating point, a multiply by 1/size before the sum."""
     if not average:
         return dist.ReduceOp.SUM, None
-    if tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower():
+    size = dist.get_world_size(group)
+    if averages_in_collective(str(dist.get_backend(group)), tensor.is_cuda, size):
         return dist.ReduceOp.AVG, None
-    return dist.ReduceOp.SUM, 1.0 / dist.get_world_size(group)
+    return dist.ReduceOp.SUM, 1.0 / size
 
 
 def make_replacements(runtime: Runtime) -> Dict[str, Callable]:

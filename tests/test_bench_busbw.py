@@ -150,7 +150,7 @@ def test_sizes_read_like_nccl_tests_and_grow_by_the_factor():
     (["--world-size", "2", "--min-bytes", "1K", "--max-bytes", "512"], "--max-bytes"),
     (["--world-size", "2", "--factor", "1"], "--factor"),
     (["--world-size", "2", "--variants", "nccl,ring"], "--variants"),
-    (["--world-size", "2", "--max-bytes", "32MB"], "--max-bytes"),
+    (["--world-size", "2", "--max-bytes", "32XB"], "--max-bytes"),
     (["--world-size", "2", "--rounds", "0"], "--rounds"),
     (["--world-size", "2", "--rounds", "2", "--telemetry-root", "t"], "--rounds"),
 ])

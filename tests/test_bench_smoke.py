@@ -28,29 +28,15 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 # Modes the harness measures itself, with no commsched API involved: these must run.
-HARNESS_OWN_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor")
-ALL_MODES = ("compute_only", "compute_sync", "ddp_default", "comm_only", "floor",
-             "comm_only_bf16", "floor_bf16",
-             "ddp_python_hook", "ddp_bf16_hook", "ddp_min_hook", "ddp_min_hook_join",
-             "ddp_min_hook_join_div",
-             "ddp_commsched", "ddp_commsched_sum", "ddp_commsched_large", "ddp_commsched_route",
-             "ddp_commsched_telemetry", "ddp_commsched_telemetry_step",
-             "ddp_commsched_telemetry_sums",
-             "ddp_commsched_telemetry_nonvml", "ddp_commsched_timed", "ddp_commsched_autotune",
-             "ddp_commsched_route_fifo", "commsched_dp",
-             "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_zero",
-             "commsched_dp_g4", "commsched_dp_greedy",
-             "commsched_dp_fifo", "commsched_dp_rows", "commsched_dp_bf16",
-             "commsched_dp_first_unbounded", "commsched_dp_rows_first_unbounded",
-             "commsched_dp_settle", "megatron_stock", "megatron_patched")
+HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "floor")
+# The canonical set, in table order.
+ALL_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "comm_only_bf16",
+             "floor_bf16", "ddp_bf16_hook", "ddp_commsched", "ddp_commsched_telemetry",
+             "commsched_dp", "commsched_dp_bf16", "commsched_dp_zero")
 # Modes that run another mode's code with other settings (not run by the smoke test).
-VARIANT_MODES = ("comm_only_bf16", "ddp_min_hook_join", "ddp_min_hook_join_div", "ddp_commsched_large", "ddp_commsched_route_fifo",
-                 "ddp_commsched_telemetry_sums", "ddp_commsched_telemetry_nonvml",
-                 "ddp_commsched_timed", "commsched_dp_g4",
-                 "commsched_dp_unbounded", "commsched_dp_window1", "commsched_dp_greedy",
-                 "commsched_dp_fifo",
-                 "commsched_dp_rows", "commsched_dp_bf16", "commsched_dp_first_unbounded",
-                 "commsched_dp_rows_first_unbounded")
+VARIANT_MODES = ("comm_only_bf16", "commsched_dp_bf16")
+# A variant the smoke test runs: the tuner, with telemetry.
+AUTOTUNE = "ddp_commsched_telemetry@autotune=1"
 RESULT_KEYS = ("name", "label", "status", "reason", "median_ms", "mean_ms", "p10_ms",
                "p90_ms", "min_ms", "max_ms", "iter_ms", "peak_mem_bytes", "throughput",
                "throughput_unit", "efficiency")
@@ -90,6 +76,7 @@ def harness_run(tmp_path_factory, harness_tmpdir):
     out = tmp_path_factory.mktemp("bench") / "harness.json"
     # Every mode but the ones that only vary another's settings (kept out for CI time).
     modes = [m for m in ALL_MODES if m not in ("floor", "floor_bf16") and m not in VARIANT_MODES]
+    modes.append(AUTOTUNE)
     proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--warmup", "1",
                                      "--iters", str(ITERS), "--timeout", "200",
                                      "--modes", ",".join(modes), "--out", str(out)],
@@ -139,7 +126,7 @@ def test_harness_reports_every_mode_with_a_number_or_a_reason(harness_run):
     _, document = harness_run
     [run] = document["launches"][0]["runs"]
     assert run["model"] == "gpt" and is_number(run["params"]) and run["unit"] == "tokens"
-    assert tuple(run["modes"]) == ALL_MODES
+    assert tuple(run["modes"]) == (*ALL_MODES, AUTOTUNE)
     for name, result in run["modes"].items():
         assert set(RESULT_KEYS) <= set(result), name
         assert result["status"] in ("ok", "n/a"), f"{name}: {result['status']}: {result['reason']}"
@@ -200,14 +187,14 @@ def test_harness_removes_the_temporary_telemetry_of_its_modes(harness_run, harne
     proc, document = harness_run
     assert proc.returncode == 0, explain(proc)
     modes = document["launches"][0]["runs"][0]["modes"]
-    recorded = ("ddp_commsched_telemetry", "ddp_commsched_telemetry_step", "ddp_commsched_autotune")
+    recorded = ("ddp_commsched_telemetry", AUTOTUNE)
     assert all(modes[name]["status"] == "ok" for name in recorded), explain(proc)
     assert sorted(p.name for p in harness_tmpdir.glob("commsched-bench-*")) == []
 
 
 def test_harness_autotune_mode_is_timed_after_the_tuner_judged(harness_run):
     _, document = harness_run
-    result = document["launches"][0]["runs"][0]["modes"]["ddp_commsched_autotune"]
+    result = document["launches"][0]["runs"][0]["modes"][AUTOTUNE]
     assert result["status"] == "ok", result["reason"]
     events = [entry["event"] for entry in result["tuning_log"]]
     assert set(events) & {"keep", "revert", "unchanged", "failed"}, events
@@ -229,6 +216,7 @@ def harness_options_run(tmp_path_factory):
                                      "commsched_dp@groups_in_flight=2@first_group_bytes=4KiB",
                                      "--sweep", "64K/256K,0/0",
                                      "--dp-sweep", "64K/256K,0/0,0/0/0",
+                                     "--set", "timeout_s=600",
                                      "--telemetry-root", str(root),
                                      "--timeout", "200", "--out", str(out)], timeout=240,
                       env={"BENCH_PROFILE": str(traces), "BENCH_PROFILE_STACKS": "1",
@@ -270,6 +258,9 @@ def test_harness_options_world_size_rounds_and_sweep(harness_options_run):
         assert first == second, (name, modes[name]["live_threads_after"])
     config = modes["sweep_p64K_c256K"]["commsched_config"]
     assert (config["partition_bytes"], config["credit_bytes"]) == (64 << 10, 256 << 10)
+    # --set reaches every commsched mode
+    assert {modes[name]["commsched_config"]["timeout_s"] for name in modes
+            if "commsched_config" in modes[name]} == {600}
     assert modes["ddp_commsched"]["status"] == "n/a"
     # The second round runs the modes in reverse order.
     rounds = proc.stdout.split("round 2 of 2")
@@ -390,7 +381,10 @@ def test_harness_rejects_bad_options_naming_the_flag():
                        (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
                        (["--dp-sweep", "4M/1M,4M/1M"], "--dp-sweep"),
                        (["--dp-sweep", "1M"], "--dp-sweep"),
-                       (["--dp-sweep", "1M/2M/3M/4M/5M"], "--dp-sweep")):
+                       (["--dp-sweep", "1M/2M/3M/4M/5M"], "--dp-sweep"),
+                       (["--set", "no_such_field=1"], "--set"),
+                       (["--set", "partition_bytes=4X"], "--set"),
+                       (["--modes", "commsched_dp@plan_forward=2"], "--modes")):
         proc = run_script("harness.py", ["--cpu", *args], timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
 
@@ -430,11 +424,14 @@ def test_step_marks_keep_the_intervals_between_interior_step_starts(monkeypatch)
     assert marks.intervals_ms == []
 
 
-def test_parse_bytes():
-    assert [harness.parse_bytes(t) for t in ("0", "65536", "512K", "4M", "1G", "4MiB")] == [
-        0, 65536, 512 << 10, 4 << 20, 1 << 30, 4 << 20]
+def test_the_scripts_read_byte_counts_as_the_settings_do():
+    from commsched.config import parse_bytes
+    assert harness.parse_bytes is parse_bytes
+    assert harness._parse_pair("4M/512KiB") == (4 << 20, 512 << 10)
+    assert [harness.parse_bytes(t, "x") for t in ("0", "65536", "512K", "4M", "1G", "4MB")] \
+        == [0, 65536, 512 << 10, 4 << 20, 1 << 30, 4 << 20]
     with pytest.raises(ValueError):
-        harness.parse_bytes("4X")
+        harness._parse_pair("4X/1M")
 
 
 # --- micro-benchmark ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Topology-aware decompositions on CPU processes acting as nodes (COMMSCHED_LOCAL_SIZE).
+"""Topology-aware decompositions on CPU processes acting as nodes (Config.local_size).
 
 Each rank's input is a known function of (rank, iteration, request), so the expected sum
 is computed locally; with 4 or 8 ranks the summation order differs between decompositions,
@@ -60,7 +60,7 @@ def test_two_nodes_of_four_adversarial_timing():
 
 
 def test_each_gpu_a_node():
-    # COMMSCHED_LOCAL_SIZE=1: the intra-node steps run on one-rank groups.
+    # local_size=1: the intra-node steps run on one-rank groups.
     run_workers(_decompositions_equal_plain_sum, 2, 1, ["hier", "leader"], True, timeout=240)
 
 

@@ -28,7 +28,7 @@ Iteration time, DDP hook mode (``mode="ddp"``); t = 0 is the iteration's first s
     iteration = max(compute_end, comm_end) + tail      (tail: optimizer step, forward,
     exposed   = iteration - (compute_end + tail)        backward before the first gradient)
 
-Data-parallel mode (``mode="dp"``, commsched's own overlap mode; a simple model): after
+Data-parallel mode (``mode="dp"``, ``commsched.wrap``; a simple model): after
 backward the next forward runs the layer groups in ascending priority; group p (the requests
 of priority p, its optimizer update folded into its forward time) starts when the previous
 group's forward ended and all its requests' chunks completed. The iteration is the end of

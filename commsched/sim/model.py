@@ -23,12 +23,11 @@ a busy period of one step, i.e. the plain per-chunk regression.
 
 Busy periods are taken over collectives, not over one rank's rows (:func:`join_ranks`): a
 collective starts when the last rank joins it, and the rank that got there first records
-the wait as part of its step. On the recorded 2 x H200 runs the rank whose host runs ahead
-records 32 MiB all-reduces of 7-23 ms that take ~0.25 ms; per-rank busy periods then made
-the fit degenerate (alpha 0.8-1.5 ms, beta 0, or 150 GB/s on a 27 GB/s host path).
+the wait as part of its step; per-rank busy periods make the fit degenerate ([Note:
+recorded host timings] in docs/design.md).
 
 A fitted model also carries two host-side costs of the scheduler (:func:`fit_host_costs`),
-which matter when chunks are short (NVLink: a 4 MiB all-reduce takes ~30 us): the time to
+which matter when chunks are short (on NVLink, as short as the host's own costs): the time to
 issue one collective step, and the turnaround from a chunk's (link) end to the start of
 the chunk its returned credit admits. Neither is part of a busy period. Both are means
 over their samples, as they add up along the critical path.
@@ -223,9 +222,8 @@ def join_ranks(rows: Iterable[dict]) -> List[dict]:
     """One row per collective step, from the rows every rank recorded of it.
 
     A collective runs once on the shared link, but each rank records its own interval: a
-    rank that got there first records the wait for the others as part of its step (on a
-    2-rank NVLink run the rank whose host runs ahead records steps of 10-20 ms that take
-    0.25 ms). So the step is taken to start when the last rank started it (``t_start``,
+    rank that got there first records the wait for the others as part of its step ([Note:
+    recorded host timings] in docs/design.md). So the step is taken to start when the last rank started it (``t_start``,
     ``t_dispatch``, ``t_submit``: the maximum over ranks) and to end when the last rank
     saw it end (``t_end``: the maximum), as the replay takes readiness (maximum over
     ranks). Steps missing on a rank of their group, and rows without the identity fields
@@ -301,9 +299,9 @@ def fit_cost_model(rows: Iterable[dict], *, source: str = "") -> FittedCostModel
 
 PROMPT_NS = 100_000            # dispatched within 100 us of submission: not held back
 GATE_WINDOW_NS = 2_000_000    # a dispatch this soon after a chunk end was admitted by it
-# Longest single host delay taken as one (issue or credit turnaround). On the 2 x H200
-# runs the scheduler's stalls reach ~13 ms; the few samples beyond (160-180 ms) span a
-# whole backward pass: waits the classification let through, not a host cost.
+# Longest single host delay taken as one (issue or credit turnaround): longer samples span
+# a whole backward pass, waits the classification let through, not a host cost ([Note:
+# recorded host timings] in docs/design.md).
 MAX_HOST_DELAY_S = 0.05
 
 
@@ -323,9 +321,8 @@ def fit_host_costs(rows: Iterable[dict], cost_s: Optional[Callable[[dict], float
     turnaround is measured from the gating chunk's *link* end, reconstructed as the engine
     computes it: each step starts at max(its recorded start, the previous step's link end) and
     takes ``cost_s``. Recorded ends lag the link: the end event is recorded on the done stream
-    once the host got to it, and on a busy host several chunks' ends come out at one instant
-    (NVLink, partition 1 MiB, credit 4 MiB: groups of 4 chunks of ~17 us each, recorded
-    ending together ~500 us after the first started). The engine returns credit
+    once the host got to it, and on a busy host several chunks' ends come out at one
+    instant. The engine returns credit
     ``credit_return_s`` after its own (link) end, so the lag belongs in the turnaround.
 
     Returns (issue seconds, credit-return seconds, (samples, samples)), each the mean of
@@ -381,9 +378,9 @@ def fit_host_costs(rows: Iterable[dict], cost_s: Optional[Callable[[dict], float
 
 def _sum_estimate(samples: List[float]) -> float:
     """The per-event delay to charge when many such delays add up on the critical path:
-    their mean, not their median. The samples are skewed right (NVLink, partition 1 MiB:
-    credit turnarounds of median 504 us, mean 594 us; stalls of 2-10 ms now and then), and
-    over ~1600 chunks a median-based replay runs ~10% short. Samples over
+    their mean, not their median. The samples are skewed right (stalls now and then), so a
+    median-based replay runs short ([Note: recorded host timings] in docs/design.md).
+    Samples over
     :data:`MAX_HOST_DELAY_S` are left out: they are not one host delay. 0 without samples."""
     kept = [x for x in samples if x <= MAX_HOST_DELAY_S]
     return sum(kept) / len(kept) if kept else 0.0

@@ -34,10 +34,10 @@ plan                with policy priority, the plan the scheduler used in the ste
 Times are relative to the iteration's first submission on any rank when every rank ran on
 one host (``runs.host``: one clock), else to the iteration's first submission on each rank;
 across ranks the maximum is kept (a collective starts when the slowest rank joins). One
-clock matters when one rank's host runs ahead: on the 2 x H200 runs rank 1 submits 6-23 ms
-before rank 0 and waits in every collective, and per-rank clocks shifted its last chunk end
-by that lead, which showed as exposed communication (NVLink, partition 32 MiB: 8.9 ms
-"exposed" where 0.1 ms was) and shortened the tail by as much. The priority plan is still
+clock matters when one rank's host runs ahead and waits in every collective: per-rank
+clocks shift its last chunk end by that lead, which shows as exposed communication and
+shortens the tail by as much ([Note: recorded host timings] in docs/design.md). The
+priority plan is still
 rebuilt from per-rank submission times (MAX over ranks), as the scheduler measured them
 (``RecordedIteration.plan_submit_s``).
 """

@@ -1,15 +1,14 @@
 """NVML access for the NVLink sampler: a narrow backend interface, the real ``pynvml``
 backend, a deterministic fake for tests, and topology discovery.
 
-Facts this module relies on (measured:
-benchmarks/nvlink_counters_2xH200_2026-11-27.md):
+Facts this module relies on ([Note: NVLink counters] in docs/design.md):
 
 * NVLink traffic is read with ``nvmlDeviceGetFieldValues`` fields 138/139 (DATA TX/RX) and
-  140/141 (RAW TX/RX, about 24% above DATA: protocol overhead), cumulative uint64 KiB.
+  140/141 (RAW TX/RX: DATA plus protocol overhead), cumulative uint64 KiB.
 * The link is chosen by ``scopeId``; pynvml sets it only for ``(fieldId, scopeId)`` tuples. A
   bare field id silently reads link 0; ``scopeId = 0xFFFFFFFF`` reads the sum over links.
-* A query takes milliseconds, per-link ones about ten times as long as sums over links,
-  which is why only the sampler thread ever calls into NVML.
+* A query is slow, a per-link one much slower than one of the sums over links, which is
+  why only the sampler thread ever calls into NVML.
 * Links to an NVSwitch report remote device type "switch" and remote PCI id FFFF...; only
   direct GPU-GPU links resolve to a peer GPU index.
 """
@@ -309,7 +308,7 @@ def _try(nv, fn):
 @dataclass
 class FakeLink:
     """One link of a fake GPU. ``tx_kib``/``rx_kib`` are the DATA counter increments per read;
-    RAW counters add ``raw_overhead`` (0.25 = 25% protocol overhead) on top."""
+    RAW counters add ``raw_overhead`` (a fraction of DATA) on top."""
 
     state: int = 1
     version: int = 6
@@ -322,7 +321,7 @@ class FakeLink:
 
 @dataclass
 class FakeGpu:
-    name: str = "Fake H200"
+    name: str = "Fake GPU"
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
     pci_bus_id: str = "0000:18:00.0"
     links: List[FakeLink] = field(default_factory=list)

@@ -10,9 +10,9 @@ Timeline of one rank (the sampler never runs on the training or completion threa
                        periodic (period_ms)  └ on request, coalesced
 
 Requests are coalesced through a ``threading.Event``: however many arrive while a query is
-running, one more sample follows. A query costs milliseconds
-(benchmarks/nvlink_counters_2xH200_2026-11-27.md), so requests must stay at iteration
-granularity, never per chunk. With per-link sampling on, only samples requested with
+running, one more sample follows. A query is slow against a chunk ([Note: NVLink
+counters] in docs/design.md), so requests must stay at iteration granularity, never per
+chunk. With per-link sampling on, only samples requested with
 ``per_link`` read every link (application iteration boundaries; the end of a lane
 iteration's communication when the application marks no boundaries; the first and the last
 sample); the others read the sums, which is all a tight window around one iteration's or

@@ -3,13 +3,13 @@
 Runs NCCL all-reduces of known sizes with the recorder and the NVLink sampler on, then
 compares each measurement window's DATA TX/RX bytes summed over links with the ring
 all-reduce payload of a rank, ``ops * 2 (n-1) / n * bytes``. Every window must be within
-``RATIO_TOLERANCE`` (the median and the worst window are reported); what it found on 2x
-H200 is in benchmarks/nvlink_counters_2xH200_2026-11-27.md.
+``RATIO_TOLERANCE`` (the median and the worst window are reported); docs/telemetry.md
+links what it found.
 
-Measurement protocol. NVML's cumulative NVLink counters lag the traffic: read right after
-``torch.cuda.synchronize()`` they may miss the tail of a ~1 ms all-reduce, which then shows
-up in the next window (seen on H200: 256 MiB windows at 0.78 and 1.22, summing to 2). So a
-window is bounded by quiescent boundaries; at each boundary every rank does::
+Measurement protocol. NVML's cumulative NVLink counters lag the traffic ([Note: NVLink
+counters] in docs/design.md): read right after ``torch.cuda.synchronize()`` they may miss
+the tail of an all-reduce, which then shows up in the next window. So a window is bounded
+by quiescent boundaries; at each boundary every rank does::
 
     synchronize(); barrier(); synchronize()    # every rank's traffic of the window is over
     settle                                     # poll the aggregate DATA TX/RX fields every
@@ -47,6 +47,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..errors import UnavailableError
 from .metrics import KIB, median
 from .nvml import (FIELD, HEALTH_COUNTERS, SCOPE_ALL_LINKS, NvmlBackend, discover_links,
                    resolve_gpu)
@@ -167,7 +168,7 @@ def nvlink_allreduce_check(sizes: Sequence[int] = (16 << 20, 256 << 20), iters: 
     from .recorder import _gpu_selector, open_recorder
 
     if not torch.cuda.is_available():
-        raise RuntimeError("nvlink_allreduce_check needs CUDA GPUs")
+        raise UnavailableError("nvlink_allreduce_check needs CUDA GPUs")
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -486,7 +487,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10, help="measured windows per size")
     p.add_argument("--dir", default=None, help="run directory (default commsched_runs/...)")
     p.add_argument("--sums-only", action="store_true",
-                   help="sample link sums only (the ~1.2 ms query) instead of per link")
+                   help="sample link sums only (the cheaper query) instead of per link")
     p.add_argument("--ops-per-iter", type=int, default=0,
                    help="all-reduces per measured window (default 0: enough to all-reduce "
                         f"{WINDOW_BYTES >> 30} GiB, at most {MAX_AUTO_OPS})")

@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..errors import UnsupportedError
 from ..observer import ChunkRecord, IterationRecord
 from ..threads import start_thread
 from .assembly import IterationAssembler
@@ -330,7 +331,7 @@ class StoreWriter:
             entry = dict(msg.entry, rank=self.rank)
             self._execute("tuning", [[entry.get(c) for c in _TUNING_COLS]])
             return True
-        raise TypeError(f"unexpected telemetry message {type(msg).__name__}")
+        raise UnsupportedError(f"unexpected telemetry message {type(msg).__name__}")
 
     def _store(self, rows: List[dict]) -> bool:
         """Write iteration rows; returns True (commit now) when an iteration's communication

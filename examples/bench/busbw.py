@@ -93,7 +93,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -104,6 +103,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import benchlib  # first: puts the checkout on sys.path
 from benchlib import close_quietly
+from commsched.config import parse_bytes
 
 import torch
 import torch.distributed as dist
@@ -138,22 +138,18 @@ SYNC_OF = {"none_sync": "none"}             # async_op=False variants: their dec
 
 
 # ---------------------------------------------------------------------------------------
-# Sizes (nccl-tests' -b/-e: K, M, G are powers of 1024)
+# Sizes: commsched's byte counts (K, M, G are powers of 1024, as nccl-tests' -b/-e read)
 # ---------------------------------------------------------------------------------------
 
-_SIZE_RE = re.compile(r"^\s*([0-9]{1,16})\s*([a-zA-Z]*)\s*$", re.ASCII)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-               "g": 1 << 30, "gib": 1 << 30}
-
-
 def parse_size(text: str) -> int:
-    """``"128"``, ``"64K"``, ``"32M"``, ``"1G"`` (or KiB/MiB/GiB) in bytes; K = 1024, as
-    nccl-tests reads its sizes."""
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a byte count such as 128, 64K, 32M or 1G (K = 1024)")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    """``"128"``, ``"64K"``, ``"32M"``, ``"1G"`` (or KiB/MiB/GiB) in bytes, at least 1."""
+    try:
+        size = parse_bytes(text, "size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a message size of at least 1 byte")
+    return size
 
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> List[int]:
@@ -674,7 +670,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="NCCL environment, as in harness.py (default nvlink)")
     parser.add_argument("--local-size", type=int, default=None,
                         help="ranks per node for hier/leader (consecutive ranks); default: "
-                             "COMMSCHED_LOCAL_SIZE, else LOCAL_WORLD_SIZE, else one node")
+                             "LOCAL_WORLD_SIZE, else one node")
     parser.add_argument("--min-bytes", type=parse_size, default=parse_size("128"),
                         help="smallest message (default 128; K/M/G = 1024^n)")
     parser.add_argument("--max-bytes", type=parse_size, default=parse_size("32M"),
@@ -756,8 +752,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         configured = args.local_size or args.base_config.local_size
         args.local_size_effective = local_size_from_env(configured, args.world_size)
         if args.world_size % args.local_size_effective:
-            parser.error(f"local size {args.local_size_effective} (from COMMSCHED_LOCAL_SIZE "
-                         f"or LOCAL_WORLD_SIZE) does not divide --world-size "
+            parser.error(f"local size {args.local_size_effective} (from LOCAL_WORLD_SIZE) "
+                         f"does not divide --world-size "
                          f"{args.world_size}; pass --local-size")
     else:
         args.local_size_effective = args.local_size or args.world_size

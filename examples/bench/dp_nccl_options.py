@@ -16,7 +16,7 @@ reduction, and the all-gathers of rs_ag) are created with
                                  the device's highest priority
 
 They are n/a on gloo. The measurement that decided against such a setting:
-``benchmarks/dp_nccl_options_2xH100_2026-11-28.md``.
+``benchmarks/archive/dp_nccl_options_2xH100_2026-11-28.md``.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ _options = {"max_ctas": 0, "high_priority": False}
 
 def _engine_modules():
     harness.benchlib.import_commsched()
-    import commsched.overlap.engine as engine
-    import commsched.overlap.zero as zero
+    import commsched.data_parallel.engine as engine
+    import commsched.data_parallel.zero as zero
 
     return engine, zero
 
 
 def _sibling_group_with_options(original):
-    """``commsched.overlap.engine.sibling_group``, with the options of the running mode."""
+    """``commsched.data_parallel.engine.sibling_group``, with the options of the running mode."""
     def sibling_group(group):
         if not (_options["max_ctas"] or _options["high_priority"]):
             return original(group)
@@ -81,16 +81,15 @@ def _mode(max_ctas: int = 0, high_priority: bool = False):
 
 
 def add_modes() -> None:
-    """Insert the modes after the harness's own data-parallel modes (run order = table
-    order). Runs in the parent and, as the spawned workers' main module, in each worker."""
+    """Add the modes after the harness's own (run order = table order). Runs in the parent
+    and, as the spawned workers' main module, in each worker."""
     if any(m.name == "commsched_dp_hp" for m in harness.MODES):
         return
     extra = [harness.Mode(f"commsched_dp_cta{n}", f"6 as 6, NCCL max_ctas {n} on its own "
                           "groups", _mode(max_ctas=n)) for n in CTA_CAPS]
     extra.append(harness.Mode("commsched_dp_hp", "6 as 6, its own groups' NCCL stream at "
                               "high priority", _mode(high_priority=True)))
-    at = next(i for i, m in enumerate(harness.MODES) if m.name.startswith("megatron_"))
-    harness.MODES[at:at] = extra
+    harness.MODES.extend(extra)
     harness.MODE_NAMES[:] = [m.name for m in harness.MODES]
 
 

@@ -3,8 +3,9 @@ in one launch per network regime, following the project's benchmark protocol.
 
     python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
 
-For each regime the harness spawns its own workers (``--world-size``, default 2) (NCCL on GPUs when CUDA has a GPU per
-worker, else gloo on CPU, which is only meant for the smoke test), sets the regime's NCCL
+For each regime the harness spawns its own workers (``--world-size``, default 2; NCCL on
+GPUs when CUDA has a GPU per worker, else gloo on CPU, which is only meant for the smoke
+test), sets the regime's NCCL
 environment before the process group starts, and for each model runs every mode of
 ``MODES`` in turn, rebuilding the model from the same seed for each (same weights, and
 peak memory per mode). A mode that is not implemented yet is reported "n/a" with the reason;
@@ -13,6 +14,14 @@ a mode that fails (out of memory, an exception) is reported "error" and the run 
 Output: a JSON document (``--out``) with the system, the environment, per-mode statistics
 and per-iteration times, and a markdown table printed last on stdout. The exit status is 0
 when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung.
+
+Modes: the protocol's canonical set (``MODES``: compute only, comm only and the floor in
+float32 and bfloat16, DDP and DDP + ``bf16_compress_hook``, the commsched hook with and
+without telemetry, the data-parallel mode in float32, bfloat16 and rs_ag). Any other
+setting is a variant of a commsched mode, not a mode of its own: ``--modes
+commsched_dp@groups_in_flight=2`` runs that mode with those ``Config`` fields (values
+written as their variables would be: ``4MiB``, ``1``, ``fifo``), and ``--set FIELD=VALUE``
+gives every commsched mode of the launch that field.
 
 Measurement options:
 
@@ -27,18 +36,20 @@ Measurement options:
 
 The floor is max(compute only, comm only) and a mode's efficiency floor / its time, both
 from ``commsched.floor.floor_efficiency``, as ``commsched floor`` computes them.
-* ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes, K/M/G
-  suffixes; 0 = no partitioning / unbounded credit): the commsched hook with that setting and
-  telemetry on: the runs the simulator is validated on.
+* ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes as the
+  settings read them, ``commsched.config.parse_bytes``: K/M/G are powers of 1024; 0 = no
+  partitioning / unbounded credit): the commsched hook with that setting and telemetry on:
+  the runs the simulator is validated on.
 * ``--dp-sweep 0/0,32M/128M,0/0/128M,0/0/256M/16M,...`` adds one mode per PARTITION/CREDIT
   pair (or PARTITION/CREDIT/GROUP triple, GROUP the layer-group size, or with /FIRST, the
   first layer group's size) of the data-parallel mode
   (``commsched.wrap``), telemetry off: its settings compared within one launch, interleaved
   with ``--rounds``, rather than across launches. CREDIT 0 leaves the mode its window of
-  ``COMMSCHED_GROUPS_IN_FLIGHT`` layer groups (default 2).
+  ``COMMSCHED_GROUPS_IN_FLIGHT`` layer groups (default 0: none, the plan orders them).
 
 Adding a mode is a function ``run_x(bench) -> {"iter_ms": [...], ...}`` plus one ``Mode``
-line in ``MODES``; raise ``ModeUnavailable(reason)`` when it cannot run here.
+line in ``MODES``, for a comparison the protocol needs in every run; raise
+``ModeUnavailable(reason)`` when it cannot run here.
 """
 
 from __future__ import annotations
@@ -64,6 +75,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import benchlib  # first: puts the checkout on sys.path
 from benchlib import ModeUnavailable, close_quietly, fmt, summarize_ms
+from commsched.config import parse_bytes
 
 import torch
 import torch.distributed as dist
@@ -588,22 +600,6 @@ def run_compute_only(bench: Bench) -> Dict[str, Any]:
     return {"iter_ms": bench.time(no_sync_step)}
 
 
-def run_compute_sync(bench: Bench) -> Dict[str, Any]:
-    """Compute only, with the ranks kept in step: one 4-byte all-reduce after each step.
-    Against compute only, what any synchronous data-parallel scheme pays for waiting on
-    the slower rank where the step's time varies from rank to rank (a host-bound step)."""
-    model = bench.ddp(bench.build_model())
-    step = bench.train_step(model, bench.optimizer(model.parameters()))
-    token = torch.zeros(1, device=bench.device)
-
-    def synced_step() -> None:
-        with model.no_sync():
-            step()
-        dist.all_reduce(token)
-
-    return {"iter_ms": bench.time(synced_step)}
-
-
 def run_ddp_default(bench: Bench) -> Dict[str, Any]:
     """Plain DDP (bucket_cap_mb 25): what users run today. Records the bucket sizes DDP
     settled on, for comm_only."""
@@ -616,52 +612,16 @@ def run_ddp_default(bench: Bench) -> Dict[str, Any]:
     return {"iter_ms": times}
 
 
-def run_ddp_python_hook(bench: Bench, hook: str = "allreduce_hook") -> Dict[str, Any]:
+def run_ddp_python_hook(bench: Bench, hook: str = "bf16_compress_hook") -> Dict[str, Any]:
     """DDP with one of PyTorch's own Python hooks (``default_hooks.<hook>``):
-    ``allreduce_hook``, what any Python comm hook costs, the reference for the commsched
-    hook's own overhead; ``bf16_compress_hook``, DDP's own bfloat16 all-reduces, the
-    reference for ``COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16``."""
+    ``bf16_compress_hook``, DDP's own bfloat16 all-reduces, the reference for
+    ``COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if hook == "bf16_compress_hook" and not bench.cuda:
         raise ModeUnavailable("NCCL only: DDP refuses bf16_compress_hook on gloo")
     model = bench.ddp(bench.build_model())
     model.register_comm_hook(None, getattr(default_hooks, hook))
-    step = bench.train_step(model, bench.optimizer(model.parameters()))
-    return {"iter_ms": bench.time(step)}
-
-
-def run_ddp_minimal_hook(bench: Bench, cuda_future: bool, in_kernel_average: bool
-                         ) -> Dict[str, Any]:
-    """A minimal Python hook, no scheduler: one all-reduce per bucket from the process
-    group, averaged by the collective (ReduceOp.AVG) or divided first, returning the
-    work's own future (``get_future().then``, as PyTorch's hooks do) or a CPU future set at
-    once with one wait for the newest collective at the last bucket. What each choice of
-    the commsched hook costs by itself, apart from the scheduler. The CPU future is only
-    correct where a stream orders the readers after the collective (NCCL)."""
-    if not cuda_future and not bench.cuda:
-        raise ModeUnavailable("NCCL only: a future set before its collective finished is "
-                              "read too early on gloo")
-    model = bench.ddp(bench.build_model())
-    group = dist.group.WORLD
-    world = dist.get_world_size()
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.AVG if in_kernel_average else dist.ReduceOp.SUM
-
-    def hook(_state, bucket):
-        tensor = bucket.buffer()
-        if not in_kernel_average:
-            tensor.div_(world)
-        work = group.allreduce([tensor], options)
-        if cuda_future:
-            return work.get_future().then(lambda _: tensor)
-        future = torch.futures.Future()
-        future.set_result(tensor)
-        if bucket.is_last():
-            work.wait()           # (the newest: a group's collectives run in issue order)
-        return future
-
-    model.register_comm_hook(None, hook)
     step = bench.train_step(model, bench.optimizer(model.parameters()))
     return {"iter_ms": bench.time(step)}
 
@@ -686,81 +646,48 @@ def run_comm_only(bench: Bench, dtype: torch.dtype = torch.float32) -> Dict[str,
             "total_bytes": sum(b.numel() * size for b in buffers)}
 
 
-def run_ddp_commsched(bench: Bench, observer=None, mark_steps: bool = False,
-                      **overrides) -> Dict[str, Any]:
-    """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset);
-    ``observer`` replaces the telemetry recorder; ``mark_steps``: the loop calls
-    ``commsched.step()`` after each step, as a custom training loop marks its iterations
-    for telemetry."""
+# ``--set FIELD=VALUE``: Config fields every commsched mode of the launch runs with (a
+# mode's own settings win); set in each worker from its LaunchSpec.
+_SETTINGS: Dict[str, Any] = {}
+
+
+def commsched_config(**overrides):
+    """The Config of a commsched mode: the environment's, on, with ``--set`` and the mode's
+    own ``overrides`` applied."""
     commsched = benchlib.import_commsched()
+    return commsched.Config.from_env().replace(enabled=True, **{**_SETTINGS, **overrides})
+
+
+def run_ddp_commsched(bench: Bench, **overrides) -> Dict[str, Any]:
+    """DDP with the commsched comm hook, Config from COMMSCHED_* (defaults when unset) with
+    ``overrides``; with ``autotune`` the timed steps start once the tuner judged."""
+    config = commsched_config(**overrides)
+    if config.autotune:
+        return run_ddp_commsched_autotune(bench, config)
     hooks = benchlib.import_commsched_hooks()
-    config = commsched.Config.from_env().replace(enabled=True, **overrides)
     model = bench.ddp(bench.build_model())
-    state = hooks.register(model, config=config, observer=observer)
+    state = hooks.register(model, config=config)
     try:
         step = bench.train_step(model, bench.optimizer(model.parameters()))
-        if mark_steps:
-            train_step, mark = step, commsched.step
-
-            def step() -> None:
-                train_step()
-                mark()
         times = bench.time(step)
     finally:
         close_quietly(state, getattr(state, "recorder", None))
     return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
 
 
-class _DiscardingObserver:
-    """Takes every record the scheduler hands over and keeps none: with it the scheduler
-    times every step as for telemetry, and no telemetry thread runs."""
-
-    def on_chunks(self, records) -> None:
-        pass
-
-    def on_iteration(self, record) -> None:
-        pass
+def run_ddp_commsched_telemetry(bench: Bench, name: str = "ddp_commsched_telemetry",
+                                **overrides) -> Dict[str, Any]:
+    """The commsched hook with telemetry recorded (``--telemetry-root`` keeps it)."""
+    return run_ddp_commsched(bench, telemetry_dir=bench.telemetry_dir(name), **overrides)
 
 
-def run_ddp_commsched_sum(bench: Bench) -> Dict[str, Any]:
-    """The commsched hook with default settings, except that each bucket is multiplied by
-    1/world size and summed (as PyTorch's Python hook does) instead of averaged inside
-    the collective (ReduceOp.AVG): what the in-kernel average costs or saves."""
-    commsched = benchlib.import_commsched()
+def run_ddp_commsched_autotune(bench: Bench, config, max_settle: int = 120
+                               ) -> Dict[str, Any]:
+    """The commsched hook with the online tuner (``config.autotune``). After the warm-up,
+    steps run untimed until the tuner has judged its trial (keep / revert / unchanged /
+    failed; at most ``max_settle`` steps), then the timed iterations measure what it
+    settled on."""
     hooks = benchlib.import_commsched_hooks()
-    config = commsched.Config.from_env().replace(enabled=True)
-    model = bench.ddp(bench.build_model())
-    state = hooks.CommschedState(model, config)
-    scale = 1.0 / bench.world_size
-
-    def hook(state, bucket):
-        scheduler = state.scheduler
-        request = scheduler.submit(bucket.buffer(), key=bucket.index(),
-                                   priority=state.priority(bucket), group=state.group,
-                                   scale=scale)
-        if bucket.is_last():
-            scheduler.end_iteration(state.group, wait_dispatched=True)
-            scheduler.join(state.group)
-        return request.future
-
-    model.register_comm_hook(state, hook)
-    try:
-        step = bench.train_step(model, bench.optimizer(model.parameters()))
-        times = bench.time(step)
-    finally:
-        close_quietly(state)
-    return {"iter_ms": times, "commsched_config": dataclasses.asdict(config)}
-
-
-def run_ddp_commsched_autotune(bench: Bench, max_settle: int = 120) -> Dict[str, Any]:
-    """The commsched hook with the online tuner and telemetry on. After the warm-up, steps
-    run untimed until the tuner has judged its trial (keep / revert / unchanged / failed;
-    at most ``max_settle`` steps), then the timed iterations measure what it settled on."""
-    commsched = benchlib.import_commsched()
-    hooks = benchlib.import_commsched_hooks()
-    config = commsched.Config.from_env().replace(
-        enabled=True, autotune=True,
-        telemetry_dir=bench.telemetry_dir("ddp_commsched_autotune"))
     model = bench.ddp(bench.build_model())
     state = hooks.register(model, config=config)
     final = ("keep", "revert", "unchanged", "failed")
@@ -800,17 +727,12 @@ def _tuned_setting(log: List[dict], config) -> Dict[str, Any]:
     return tuned
 
 
-def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
-                     **overrides) -> Dict[str, Any]:
+def run_commsched_dp(bench: Bench, **overrides) -> Dict[str, Any]:
     """commsched's own data-parallel mode (crossing the iteration barrier); ``overrides``
     replace fields of the config from the environment (``group_bytes``: the layer-group
-    size). ``settle_each_step``: after each step, queue every layer group's wait and update
-    before the next forward (the host waits until each group's request is issued, not for
-    the device): the barrier is not crossed."""
+    size)."""
     commsched = benchlib.import_commsched()
-    if not hasattr(commsched, "wrap"):
-        raise ModeUnavailable("commsched.wrap (data-parallel mode) is not implemented yet")
-    config = commsched.Config.from_env().replace(enabled=True, **overrides)
+    config = commsched_config(**overrides)
     model = bench.build_model()
     model, optimizer = commsched.wrap(model, bench.optimizer(model.parameters()), config)
     # Layer groups go whole (one collective each) with rs_ag, and with `none` under an
@@ -821,15 +743,9 @@ def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
     window = model._engine.scheduler.config.credit_bytes
     try:
         step = bench.train_step(model, optimizer)
-        if settle_each_step:
-            train_step, engine = step, model._engine
-
-            def step() -> None:
-                train_step()
-                engine.settle_all()
         times = bench.time(step, quiesce=lambda: commsched.drain(model))
         # rs_ag keeps only this rank's shard of the optimizer state: what it saves.
-        from commsched.overlap.update import state_bytes
+        from commsched.data_parallel.update import state_bytes
         state = state_bytes(optimizer)
         engine = model._engine
         summary = getattr(engine.scheduler, "plan_summary", None)
@@ -841,15 +757,6 @@ def run_commsched_dp(bench: Bench, settle_each_step: bool = False,
             "credit_window_bytes": window, "plan": plan,
             "group_bytes": [g.buffer.numel() * g.buffer.element_size()
                             for g in engine.groups]}
-
-
-def megatron_mode(patched: bool) -> Callable[[Bench], Dict[str, Any]]:
-    """Megatron-LM stock or patched: whole training launches of their own, not modes of
-    this harness's workers; megatron_e2e.py measures them (rows 7a/7b)."""
-    def run(bench: Bench) -> Dict[str, Any]:
-        raise ModeUnavailable("measured by examples/bench/megatron_e2e.py (Megatron-LM "
-                              "launches stock and patched, in one command)")
-    return run
 
 
 @dataclass(frozen=True)
@@ -865,101 +772,25 @@ class Mode:
 # that DDP settled on.
 MODES: List[Mode] = [
     Mode("compute_only", "1 compute only (no_sync)", run_compute_only),
-    Mode("compute_sync", "1b compute only, ranks in step (a 4-byte all-reduce per step)",
-         run_compute_sync),
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("floor", "3 floor = max(1, 2)", None),
     Mode("comm_only_bf16", "2b comm only, bfloat16 all-reduces",
          lambda bench: run_comm_only(bench, torch.bfloat16)),
     Mode("floor_bf16", "3b floor of bfloat16 all-reduces = max(1, 2b)", None),
-    Mode("ddp_python_hook", "4b DDP + PyTorch's Python allreduce_hook", run_ddp_python_hook),
     Mode("ddp_bf16_hook", "4f DDP + PyTorch's bf16_compress_hook (bfloat16 all-reduces)",
-         lambda bench: run_ddp_python_hook(bench, "bf16_compress_hook")),
-    Mode("ddp_min_hook", "4c DDP + minimal hook: AVG all-reduce, the work's future",
-         lambda bench: run_ddp_minimal_hook(bench, True, True)),
-    Mode("ddp_min_hook_join", "4d as 4c, a CPU future per bucket and one wait at the last",
-         lambda bench: run_ddp_minimal_hook(bench, False, True)),
-    Mode("ddp_min_hook_join_div", "4e as 4d, buckets divided first and summed",
-         lambda bench: run_ddp_minimal_hook(bench, False, False)),
+         run_ddp_python_hook),
     Mode("ddp_commsched", "5 DDP + commsched hook", run_ddp_commsched),
-    Mode("ddp_commsched_sum", "5h as 5, buckets scaled by 1/world and summed (no "
-         "ReduceOp.AVG)", run_ddp_commsched_sum),
-    Mode("ddp_commsched_large", "5b DDP + commsched hook, 32 MiB chunks, unbounded credit",
-         lambda bench: run_ddp_commsched(bench, partition_bytes=32 << 20, credit_bytes=0)),
-    Mode("ddp_commsched_route", "5c DDP + commsched hook, whole buckets, unbounded credit",
-         lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0)),
     Mode("ddp_commsched_telemetry", "5e as 5, with telemetry and NVLink sampling",
-         lambda bench: run_ddp_commsched(
-             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry"))),
-    Mode("ddp_commsched_telemetry_step", "5s as 5e, the loop marks its steps "
-         "(commsched.step())",
-         lambda bench: run_ddp_commsched(
-             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_step"),
-             mark_steps=True)),
-    Mode("ddp_commsched_telemetry_sums", "5e' as 5e, NVLink counters summed over links only",
-         lambda bench: run_ddp_commsched(
-             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_sums"),
-             telemetry_nvml_per_link=False)),
-    Mode("ddp_commsched_telemetry_nonvml", "5e'' as 5e, no NVML sampling",
-         lambda bench: run_ddp_commsched(
-             bench, telemetry_dir=bench.telemetry_dir("ddp_commsched_telemetry_nonvml"),
-             telemetry_nvml_period_ms=0)),
-    Mode("ddp_commsched_timed", "5t as 5, every step timed for an observer that keeps "
-         "nothing (telemetry's cost on the scheduler's path, no telemetry thread)",
-         lambda bench: run_ddp_commsched(bench, observer=_DiscardingObserver())),
-    Mode("ddp_commsched_autotune", "5f as 5e, COMMSCHED_AUTOTUNE=1 (timed once settled)",
-         lambda bench: run_ddp_commsched_autotune(bench)),
-    Mode("ddp_commsched_route_fifo", "5d as 5c, fifo order (no plan)",
-         lambda bench: run_ddp_commsched(bench, partition_bytes=0, credit_bytes=0,
-                                         policy="fifo")),
+         run_ddp_commsched_telemetry),
     Mode("commsched_dp", "6 commsched data-parallel mode", run_commsched_dp),
-    Mode("commsched_dp_unbounded", "6e as 6, every layer group in flight at once "
-         "(COMMSCHED_GROUPS_IN_FLIGHT=0)",
-         lambda bench: run_commsched_dp(bench, groups_in_flight=0)),
-    Mode("commsched_dp_window1", "6w as 6, one layer group in flight "
-         "(COMMSCHED_GROUPS_IN_FLIGHT=1)",
-         lambda bench: run_commsched_dp(bench, groups_in_flight=1)),
+    Mode("commsched_dp_bf16", "6h as 6, bfloat16 all-reduces (grad_reduce_dtype)",
+         lambda bench: run_commsched_dp(bench, grad_reduce_dtype="bfloat16")),
     Mode("commsched_dp_zero", "6b data-parallel mode, rs_ag (ZeRO-1 shards)",
          lambda bench: run_commsched_dp(bench, decompose="rs_ag")),
-    Mode("commsched_dp_g4", "6c data-parallel mode, 4 MiB layer groups",
-         lambda bench: run_commsched_dp(bench, group_bytes=4 << 20)),
-    Mode("commsched_dp_greedy", "6f as 6, the greedy priority plan (COMMSCHED_PLAN_FORWARD=0)",
-         lambda bench: run_commsched_dp(bench, plan_forward=False)),
-    Mode("commsched_dp_fifo", "6i as 6, layer groups issued in the order they are ready "
-         "(COMMSCHED_POLICY=fifo: no group overtakes another)",
-         lambda bench: run_commsched_dp(bench, policy="fifo")),
-    Mode("commsched_dp_rows", "6r as 6, embedding gradients as rows "
-         "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
-         lambda bench: run_commsched_dp(bench, sparse_embedding_rows=16384)),
-    Mode("commsched_dp_bf16", "6h as 6, bfloat16 all-reduces "
-         "(COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16)",
-         lambda bench: run_commsched_dp(bench, grad_reduce_dtype="bfloat16")),
-    Mode("commsched_dp_first_unbounded", "6k as 6e, the first layer group 16 MiB, each next "
-         "one twice the last up to the group size (COMMSCHED_FIRST_GROUP_BYTES=16MiB)",
-         lambda bench: run_commsched_dp(bench, groups_in_flight=0, first_group_bytes=16 << 20)),
-    Mode("commsched_dp_rows_first_unbounded", "6k' as 6k, embedding gradients as rows "
-         "(COMMSCHED_SPARSE_EMBEDDING_ROWS=16384)",
-         lambda bench: run_commsched_dp(bench, groups_in_flight=0, first_group_bytes=16 << 20,
-                                        sparse_embedding_rows=16384)),
-    Mode("commsched_dp_settle", "6x as 6, every layer group settled after the step "
-         "(the barrier not crossed)",
-         lambda bench: run_commsched_dp(bench, settle_each_step=True)),
-    Mode("megatron_stock", "7a Megatron stock overlap_grad_reduce", megatron_mode(False)),
-    Mode("megatron_patched", "7b Megatron + commsched patches", megatron_mode(True)),
 ]
 MODE_NAMES = [m.name for m in MODES]
 NOT_SELECTED = "not selected (--modes)"
-
-
-def parse_bytes(text: str) -> int:
-    """``"4M"`` -> 4194304; K, M, G are powers of 1024; a plain number is bytes."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    digits = text[:-1] if scale > 1 else text
-    if not digits.isdigit():
-        raise ValueError(f"{text!r} is not a byte count (e.g. 0, 65536, 512K, 4M)")
-    return int(digits) * scale
 
 
 def _short_bytes(n: int) -> str:
@@ -1021,9 +852,11 @@ def _layer_groups(n: int) -> str:
 
 
 # The modes that take settings of their own: ``NAME@FIELD=VALUE[@FIELD=VALUE...]`` runs
-# NAME with those ``Config`` fields (each value as its COMMSCHED_* variable reads it).
+# NAME with those ``Config`` fields (each value written as its COMMSCHED_* variable would
+# be: ``Config.parse``).
 _VARIANT_BASES = {"commsched_dp": ("6v", run_commsched_dp),
-                  "ddp_commsched": ("5v", run_ddp_commsched)}
+                  "ddp_commsched": ("5v", run_ddp_commsched),
+                  "ddp_commsched_telemetry": ("5ev", run_ddp_commsched_telemetry)}
 
 
 def file_name(mode_name: str) -> str:
@@ -1037,16 +870,21 @@ def parse_variant(name: str) -> Tuple[str, Dict[str, Any]]:
     if base not in _VARIANT_BASES or not settings:
         raise ValueError(f"{name!r}: a variant is one of {', '.join(_VARIANT_BASES)} followed "
                          f"by @FIELD=VALUE settings")
+    return base, parse_settings(settings, f"{name!r}: ")
+
+
+def parse_settings(settings: Sequence[str], where: str = "") -> Dict[str, Any]:
+    """``FIELD=VALUE`` strings -> {field: value} of ``Config`` fields (``@`` variants,
+    ``--set``); ValueError names what is wrong."""
     config = benchlib.import_commsched().Config
-    fields = {f.name: f for f in dataclasses.fields(config)}
     overrides: Dict[str, Any] = {}
     for setting in settings:
         key, sep, value = setting.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"{name!r}: {setting!r} is not FIELD=VALUE of a Config field "
-                             f"({', '.join(fields)})")
-        overrides[key] = getattr(config.from_env({fields[key].metadata["env"]: value}), key)
-    return base, overrides
+        if not sep:
+            raise ValueError(f"{where}{setting!r} is not FIELD=VALUE of a Config field")
+        overrides[key] = config.parse(key, value)
+    config(**overrides)         # (each value checked as the Config checks it)
+    return overrides
 
 
 def variant_modes(names: Sequence[str]) -> List[Mode]:
@@ -1056,6 +894,8 @@ def variant_modes(names: Sequence[str]) -> List[Mode]:
         base, overrides = parse_variant(name)
         code, run = _VARIANT_BASES[base]
         label = f"{code} {base}, " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+        if run is run_ddp_commsched_telemetry:
+            overrides = {"name": name, **overrides}
         modes.append(Mode(name, label, lambda bench, run=run, kw=overrides: run(bench, **kw)))
     return modes
 
@@ -1366,6 +1206,7 @@ class LaunchSpec:
     telemetry_root: Optional[str] = None
     dp_sweep: Tuple[Tuple[int, ...], ...] = ()
     variants: Tuple[str, ...] = ()
+    settings: Tuple[Tuple[str, Any], ...] = ()     # --set
 
     def table(self) -> List[Mode]:
         return mode_table(self.sweep, self.dp_sweep, self.variants)
@@ -1381,6 +1222,7 @@ def worker(rank: int, spec: LaunchSpec) -> None:
         # Experiment knob: how long a thread waiting for the GIL may be kept waiting.
         sys.setswitchinterval(float(interval_us) * 1e-6)
     apply_regime_env(spec.regime)
+    _SETTINGS.update(spec.settings)
     if spec.backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     benchlib.init_process_group(rank, spec.world_size, spec.port, spec.backend,
@@ -1518,8 +1360,7 @@ def _rounds_note(result: Dict[str, Any], rounds: int) -> Optional[str]:
 # Rows that are not a training step (no ratio to DDP): compute alone, communication alone
 # and their floor.
 _FLOORS = frozenset(("floor", "floor_bf16"))
-_NOT_TRAINING = frozenset(("compute_only", "compute_sync", "comm_only", "comm_only_bf16",
-                           *_FLOORS))
+_NOT_TRAINING = frozenset(("compute_only", "comm_only", "comm_only_bf16", *_FLOORS))
 
 
 def _spread(result: Dict[str, Any]) -> Optional[str]:
@@ -1599,6 +1440,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "(the --sweep and --dp-sweep modes are added to it); "
                              f"{' or '.join(_VARIANT_BASES)}@FIELD=VALUE[@...]: that mode "
                              "with those Config fields")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a Config field every commsched mode runs with, written as its "
+                             "variable would be (repeatable; a variant's own @FIELD=VALUE "
+                             "wins)")
     parser.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE,
                         help="workers per launch, one GPU each with NCCL (default 2)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -1660,6 +1505,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parse_variant(name)
         except ValueError as exc:
             parser.error(f"--modes: {exc}")
+    try:
+        args.set = parse_settings(args.set)
+    except ValueError as exc:
+        parser.error(f"--set: {exc}")
     unknown = set(args.modes) - set(measured) - set(args.variants)
     if unknown:
         parser.error(f"unknown mode(s) {sorted(unknown)}; choose from {measured}")
@@ -1674,7 +1523,7 @@ def _parse_pair(text: str, sizes: Tuple[int, ...] = (2,)) -> Tuple[int, ...]:
     if len(parts) not in sizes:
         raise ValueError(f"{text.strip()!r} is not PARTITION/CREDIT"
                          + ("[/GROUP[/FIRST]]" if 4 in sizes else ""))
-    return tuple(parse_bytes(p) for p in parts)
+    return tuple(parse_bytes(p, "size") for p in parts)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -1693,7 +1542,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "modes": list(args.modes), "quick": args.quick, "warmup": args.warmup,
                      "iters": args.iters, "world_size": args.world_size, "rounds": args.rounds,
                      "sweep": [list(p) for p in args.sweep],
-                     "dp_sweep": [list(p) for p in args.dp_sweep],
+                     "dp_sweep": [list(p) for p in args.dp_sweep], "set": args.set,
                      "telemetry_root": args.telemetry_root, "backend": backend,
                      "ddp_bucket_cap_mb": DDP_BUCKET_CAP_MB, "seed": SEED},
         "parent_env": benchlib.relevant_env(),
@@ -1707,7 +1556,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               args.iters, benchlib.free_port(), backend,
                               args.collective_timeout, str(Path(tmp) / f"{regime}.json"),
                               args.world_size, args.rounds, args.sweep, args.telemetry_root,
-                              args.dp_sweep, args.variants)
+                              args.dp_sweep, args.variants, tuple(args.set.items()))
             remaining = deadline - time.monotonic()
             if remaining < 20:
                 launch_doc = run_launch_skipped(spec, "time budget (--timeout) used up")

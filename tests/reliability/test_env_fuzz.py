@@ -16,7 +16,6 @@ processes (~3.5 s of CPU each, torch's import).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import random
@@ -28,7 +27,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from commsched import config as config_module
-from commsched.config import ENV_VARS, Config, ConfigError
+from commsched.config import ENV_VARS, Config, ConfigError, env_fields
 
 from .harness import (clean_env, count_input, problems_of_clean_failure, run_forked,
                       run_parallel, run_subprocess)
@@ -37,7 +36,7 @@ SEED = 20261104
 FORKED_SAMPLE = 40        # forked launcher children: ~0.1 s each
 SUBPROCESS_SAMPLE = 6     # real interpreters: ~3.5 s of CPU each (torch import)
 
-_FIELDS = {f.metadata["env"]: f for f in dataclasses.fields(Config)}
+_FIELDS = env_fields()
 _HINTS = typing.get_type_hints(Config)
 
 

@@ -14,7 +14,7 @@ iteration N: patched|stock`` at each switch, which ``megatron_e2e.py`` checks ag
 schedule it expects.
 
 Why: two runs of the same Megatron-LM launch on one machine differ by a few percent from
-one process to the next (``benchmarks/megatron_gpt_24x1024_2xH100_2026-11-27.md``), more
+one process to the next (``benchmarks/archive/megatron_gpt_24x1024_2xH100_2026-11-27.md``), more
 than the difference to be measured; iterations of one process, alternating, do not carry
 that offset.
 
