@@ -45,20 +45,24 @@ _pg_reduce_scatter = getattr(_PG, "reduce_scatter_single", None) or _PG._reduce_
 _pg_all_gather = getattr(_PG, "all_gather_single", None) or _PG._allgather_base
 
 
-def averages_in_collective(backend: str, cuda: bool, world_size: int) -> bool:
+def averages_in_collective(backend: str, cuda: bool, world_size: int,
+                           reference_averages: bool = False) -> bool:
     """Whether an average over a group runs inside the collective (``ReduceOp.AVG``): on
-    NCCL with CUDA tensors (gloo has no AVG), over a power-of-two group only. There 1/n is
-    exact, so NCCL's AVG (a multiply by 1/n before the sum), a multiply by 1/n and a
-    division by n are the same number, and results stay those of the adapter's reference
-    (DDP divides first; Megatron-LM averages in the collective). Elsewhere the adapter
-    scales first and sums. Every adapter asks this one function.
+    NCCL with CUDA tensors (gloo has no AVG), wherever that gives the numbers of the
+    adapter's reference. ``reference_averages``: the reference averages inside the
+    collective itself (Megatron-LM's ``average_in_collective``), so AVG is its numbers on
+    any group. Otherwise the reference divides (DDP), and AVG (a multiply by 1/n before
+    the sum) gives the same numbers only where 1/n is exact: power-of-two groups.
+    Elsewhere the adapter scales first and sums. Every adapter asks this one function.
 
     Example::
         averages_in_collective(str(dist.get_backend(group)), tensor.is_cuda,
                                dist.get_world_size(group))
     """
-    return (cuda and "nccl" in backend.lower() and world_size > 0
-            and world_size & (world_size - 1) == 0)
+    if not (cuda and "nccl" in backend.lower() and world_size > 0):
+        return False
+    return reference_averages or world_size & (world_size - 1) == 0
+
 
 _STEPS = {
     ("all_reduce", "none"): ("all_reduce",),

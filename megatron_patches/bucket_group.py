@@ -385,12 +385,14 @@ class Runtime:
 
 def _reduction(average: bool, group, tensor: torch.Tensor):
     """(reduce_op, pre-scale) for ``average_in_collective``, by the one rule of
-    ``averages_in_collective``: ReduceOp.AVG where it applies, elsewhere NCCL's own
-    definition of AVG for floating point, a multiply by 1/size before the sum."""
+    ``averages_in_collective``: ReduceOp.AVG on NCCL, exactly what stock megatron runs;
+    elsewhere (gloo has no AVG) NCCL's own definition of AVG for floating point, a
+    multiply by 1/size before the sum."""
     if not average:
         return dist.ReduceOp.SUM, None
     size = dist.get_world_size(group)
-    if averages_in_collective(str(dist.get_backend(group)), tensor.is_cuda, size):
+    if averages_in_collective(str(dist.get_backend(group)), tensor.is_cuda, size,
+                              reference_averages=True):
         return dist.ReduceOp.AVG, None
     return dist.ReduceOp.SUM, 1.0 / size
 

@@ -1,5 +1,7 @@
 """One rule for averaging inside the collective (ReduceOp.AVG), asked by every adapter:
-NCCL with CUDA tensors, over a power-of-two group, where 1/n is exact."""
+NCCL with CUDA tensors, where it gives the reference's numbers: any group where the
+reference itself averages in the collective (Megatron-LM), power-of-two groups where the
+reference divides (DDP; 1/n is exact there)."""
 
 import pytest
 import torch
@@ -13,14 +15,22 @@ GROUPS = [(backend, cuda, size) for backend, cuda in (("nccl", True), ("gloo", F
           for size in (2, 3, 4)]
 
 
-def _expected(backend, cuda, size):
-    # written out rather than computed: NCCL on the device, groups of 2 and 4 only
-    return (backend, cuda) == ("nccl", True) and size in (2, 4)
+def _expected(backend, cuda, size, reference_averages=False):
+    # written out rather than computed: NCCL on the device; groups of 2 and 4 only where
+    # the reference divides
+    return (backend, cuda) == ("nccl", True) and (reference_averages or size in (2, 4))
 
 
 @pytest.mark.parametrize("backend,cuda,size", GROUPS)
 def test_average_runs_in_the_collective_on_nccl_power_of_two_groups_only(backend, cuda, size):
     assert averages_in_collective(backend, cuda, size) is _expected(backend, cuda, size)
+
+
+@pytest.mark.parametrize("backend,cuda,size", GROUPS)
+def test_a_reference_that_averages_in_the_collective_gets_avg_on_any_nccl_group(
+        backend, cuda, size):
+    assert (averages_in_collective(backend, cuda, size, reference_averages=True)
+            is _expected(backend, cuda, size, reference_averages=True))
 
 
 @pytest.mark.parametrize("size", (2, 3, 4))
@@ -39,7 +49,8 @@ def test_megatron_patches_follow_the_rule(monkeypatch, backend, cuda, size):
         is_cuda = cuda
 
     reduce_op, scale = bucket_group._reduction(True, object(), Tensor())
-    if _expected(backend, cuda, size):
+    # stock megatron-core averages in the collective on NCCL whatever the group's size
+    if _expected(backend, cuda, size, reference_averages=True):
         assert (reduce_op, scale) == (dist.ReduceOp.AVG, None)
     else:
         assert (reduce_op, scale) == (dist.ReduceOp.SUM, 1.0 / size)
