@@ -441,6 +441,9 @@ class Watchdog:
                     self._hand_over_stale()
                     continue
                 if time.monotonic() - completion.waiting_since <= self.timeout_s:
+                    # (not held while this thread sleeps: its work may hold buffers, and
+                    # its chunk would outlive the iteration, see Completion._loop)
+                    item = None
                     continue
             self.stalled(item)
             return

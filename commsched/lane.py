@@ -270,7 +270,7 @@ class Lane:
         return True
 
     def _dispatched_iteration(self, it: Iteration) -> None:
-        self.order.pop_head(it, self.config.verify)
+        self.order.pop_head(it, self.config.verify, self.ext is None)
         if self.ext is not None:
             self.ext.dispatched(it)
         if self.completion.polled:

@@ -30,16 +30,25 @@ class Iteration:
     """One lane iteration: the requests submitted between two end_iteration() calls, and
     the dispatch cursor over them (``peek`` finds the next chunk; the order moves it)."""
 
-    __slots__ = ("index", "requests", "by_key", "chunks", "nbytes", "flushed", "plan",
-                 "profile", "resolved", "planned", "plan_pos", "req_pos", "chunk_pos",
+    __slots__ = ("index", "requests", "by_key", "submitted", "chunks", "nbytes", "flushed",
+                 "plan", "profile", "resolved", "planned", "plan_pos", "req_pos", "chunk_pos",
                  "t_first_ns", "crc", "sequence")
 
     def __init__(self, index: int, profile: Optional[List[List[ProfiledRequest]]],
                  planned: bool):
-        self.index = index
         self.requests: list = []
         self.by_key: Dict[Hashable, object] = {}
-        self.chunks = 0               # of the requests so far, and their tensors' bytes
+        self.sequence: List[tuple] = []
+        self.begin(index, profile, planned)
+
+    def begin(self, index: int, profile: Optional[List[List[ProfiledRequest]]],
+              planned: bool) -> None:
+        """Start as iteration ``index``, with empty containers: a dispatched iteration's
+        object is begun again as a later one (``DispatchOrder.pop_head``), so that a lane
+        allocates nothing per iteration ([Note: no cycles on the hot path])."""
+        self.index = index
+        self.submitted = 0            # requests so far, their chunks and tensors' bytes
+        self.chunks = 0
         self.nbytes = 0
         self.flushed = False
         # The plan is resolved when the iteration reaches the head of the dispatch order:
@@ -53,7 +62,6 @@ class Iteration:
         self.chunk_pos = 0
         self.t_first_ns = 0
         self.crc = 0                  # COMMSCHED_VERIFY: digest of the dispatch sequence
-        self.sequence: List[tuple] = []
 
     def peek(self):
         """The chunk the order issues next (the cursor does not move past it), None while
@@ -89,9 +97,16 @@ class Iteration:
 
     def add(self, req, nbytes: int) -> None:
         """``req``, of ``nbytes`` tensor bytes, joins the iteration."""
-        req.iteration = self.index
         self.requests.append(req)
         self.by_key[req.key] = req
+        self.count(req, nbytes)
+
+    def count(self, req, nbytes: int) -> None:
+        """``req`` joins the iteration without being kept in it: in submission order,
+        issued at once, nothing reads it here again (its key is kept, to refuse it twice)."""
+        req.iteration = self.index
+        self.by_key.setdefault(req.key, None)
+        self.submitted += 1
         self.chunks += len(req.chunks)
         self.nbytes += nbytes
 
@@ -107,7 +122,7 @@ class DispatchOrder:
     __slots__ = ("policy", "profile_iters", "feeds_forward", "credit_for", "cuda", "iterations",
                  "current", "count", "dispatched", "plan", "planned_layout", "next_profile",
                  "last_layout", "stable_iters", "link_cost", "verify_queue", "profiling",
-                 "profiled", "decision")
+                 "profiled", "decision", "layout_key", "spare")
 
     def __init__(self, policy: str, profile_iters: int, feeds_forward: bool,
                  credit_for: Callable[[int], int], cuda: bool = False):
@@ -124,6 +139,7 @@ class DispatchOrder:
         self.planned_layout = None            # what the newest decided plan is for
         self.next_profile: Optional[List[List[ProfiledRequest]]] = None
         self.last_layout = None
+        self.layout_key = None                # (chunks per key, credit) of last_layout
         self.stable_iters = 0
         self.link_cost = LinkCost()           # CPU: the plan's cost per byte
         self.verify_queue: List[tuple] = []   # (iteration, crc, sequence) to check
@@ -135,6 +151,7 @@ class DispatchOrder:
         self.profiled: "collections.deque[List[ProfiledRequest]]" = collections.deque(
             maxlen=profile_iters)
         self.decision: Optional[dict] = None  # what the newest plan was built from
+        self.spare: Optional[Iteration] = None  # a dispatched iteration, begun again next
 
     # ---- intake ---------------------------------------------------------------------------
     def open_index(self) -> int:
@@ -142,7 +159,12 @@ class DispatchOrder:
         return self.current.index if self.current is not None else self.count
 
     def begin(self, t_first_ns: int) -> Iteration:
-        it = Iteration(self.count, self.next_profile, self.planned_layout is not None)
+        it, planned = self.spare, self.planned_layout is not None
+        if it is None:
+            it = Iteration(self.count, self.next_profile, planned)
+        else:
+            self.spare = None
+            it.begin(self.count, self.next_profile, planned)
         self.next_profile = None
         it.t_first_ns = t_first_ns
         self.count += 1
@@ -189,11 +211,16 @@ class DispatchOrder:
             if (pos >= len(plan.order) or plan.order[pos] != (req.key, 0)
                     or plan.layout.get(req.key) != 1):
                 return False
-        it.add(req, chunk.nbytes)
-        if plan is None:
+        if plan is not None:
+            it.add(req, chunk.nbytes)
+            it.plan_pos += 1
+        elif self.policy == "priority":
+            it.add(req, chunk.nbytes)         # (the layout is read from it at close)
             it.req_pos += 1                   # (what peek() would find: req fully issued)
         else:
-            it.plan_pos += 1
+            # Submission order: the iteration does not keep it, so that it lives only as
+            # long as its caller holds it ([Note: no cycles on the hot path]).
+            it.count(req, chunk.nbytes)
         return True
 
     def holds_for(self, it: Iteration) -> bool:
@@ -213,7 +240,7 @@ class DispatchOrder:
         it.flushed = True
         self._note_layout(it)
         return IterationRecord(lane_name, it.index, it.t_first_ns, t_end_ns,
-                               len(it.requests), it.chunks, it.nbytes, it.planned, mark)
+                               it.submitted, it.chunks, it.nbytes, it.planned, mark)
 
     def _note_layout(self, it: Iteration) -> None:
         """Decide, from the submitted layout only (rank-invariant), whether the next
@@ -221,21 +248,27 @@ class DispatchOrder:
         and whether the next one is profiled."""
         if self.policy != "priority":
             return
-        layout = tuple((r.key, r.tensor.numel(), len(r.chunks)) for r in it.requests)
-        if layout == self.last_layout:
+        # (An unchanged layout is compared, not built again: nothing is allocated per
+        # iteration here unless the layout changed or the iteration is profiled.)
+        if _same_layout(it.requests, self.last_layout):
             self.stable_iters += 1
         else:
             self.stable_iters = 1
             self.profiled.clear()
-        self.last_layout = layout
+            self.last_layout = tuple((r.key, r.tensor.numel(), len(r.chunks))
+                                     for r in it.requests)
+            self.layout_key = None
         if it.requests and all(r.marks is not None for r in it.requests):
             self.profiled.append([
                 ProfiledRequest(r.key, r.priority, tuple(c.nbytes for c in r.chunks), r.marks)
                 for r in it.requests])
         # A plan is built for a credit window too: a window switched for the next
         # iteration (the tuner, known by now) needs a new plan.
-        current = ({key: nchunks for key, _, nchunks in layout},
-                   self.credit_for(it.index + 1))
+        credit = self.credit_for(it.index + 1)
+        current = self.layout_key
+        if current is None or current[1] != credit:
+            current = self.layout_key = (
+                {key: nchunks for key, _, nchunks in self.last_layout}, credit)
         if self.planned_layout != current and len(self.profiled) >= self.profile_iters:
             self.planned_layout = current
             self.next_profile = list(self.profiled)
@@ -246,12 +279,19 @@ class DispatchOrder:
     def head(self) -> Optional[Iteration]:
         return self.iterations[0] if self.iterations else None
 
-    def pop_head(self, it: Iteration, verify: bool) -> None:
-        """Every step of ``it``, the head, was issued."""
+    def pop_head(self, it: Iteration, verify: bool, reuse: bool) -> None:
+        """Every step of ``it``, the head, was issued. ``reuse``: nothing else keeps
+        ``it`` (no extension was told of it), so it lets go of its requests now and is
+        begun again as a later iteration."""
         self.iterations.popleft()
         self.dispatched = it.index + 1
         if verify:
             self.verify_queue.append((it.index, it.crc, it.sequence))
+        elif reuse:
+            it.requests.clear()
+            it.by_key.clear()
+            it.plan = it.profile = None
+            self.spare = it
 
     def build_plan(self, profiled: Sequence[List[ProfiledRequest]], credit_bytes: int,
                    exchange: Callable[[List[float]], List[float]]) -> Plan:
@@ -270,6 +310,16 @@ class DispatchOrder:
         self.decision = _decision(requests, self.plan, values[-2], values[-1],
                                   self.feeds_forward)
         return self.plan
+
+
+def _same_layout(requests: list, layout: Optional[tuple]) -> bool:
+    """Whether ``requests`` have the (key, numel, chunks) of ``layout``, in its order."""
+    if layout is None or len(layout) != len(requests):
+        return False
+    for req, (key, numel, chunks) in zip(requests, layout):
+        if req.key != key or req.tensor.numel() != numel or len(req.chunks) != chunks:
+            return False
+    return True
 
 
 def _decision(requests, plan: Plan, seconds_per_byte: float, spread_s: float,

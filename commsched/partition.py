@@ -30,6 +30,7 @@ class Chunk:
     __slots__ = (
         "request", "index", "offset", "numel", "nbytes",
         "steps_done", "works", "staging", "t_dispatch_ns", "t_start_ns", "start_event",
+        "__weakref__",
     )
 
     def __init__(self, request, index: int, offset: int, numel: int, nbytes: int):

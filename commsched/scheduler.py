@@ -72,6 +72,7 @@ class Request:
         "t_submit_ns",
         "ready_event", "lane", "reduce_options", "chunks_issued", "done_work", "done_event",
         "cross_group", "issue_seq", "waited", "at_once", "synchronous", "marks",
+        "__weakref__",
     )
 
     def __init__(self, key: Hashable, tensor: torch.Tensor, op: str, lane: Lane,
@@ -93,7 +94,7 @@ class Request:
         # None while pending, True once resolved, else the error it failed with; set
         # under the lane's lock (the future may be created from another thread).
         self.outcome = None
-        self.chunks: List[Chunk] = []
+        self.chunks: List[Chunk] = ()       # (a list once the scheduler cut it)
         self.remaining = 0
         self.chunks_issued = 0
         self.iteration = -1
@@ -384,6 +385,15 @@ class Scheduler:
         lane = self._lanes.get(group if group is not None else dist.group.WORLD)
         if lane is not None:
             lane.join()
+
+    def pending(self, group=None) -> List[Request]:
+        """``group``'s requests whose future has not resolved yet, in submission order (on
+        CUDA those not fully issued; on CPU those not completed)."""
+        lane = self._lanes.get(group if group is not None else dist.group.WORLD)
+        if lane is None:
+            return []
+        with lane.lock:
+            return [req for req in lane.book.outstanding.values() if req.outcome is None]
 
     def drain(self, timeout: Optional[float] = None) -> None:
         """End every lane's iteration and block until all its collectives completed."""

@@ -24,7 +24,7 @@ power-of-two group the collective averages instead (``ReduceOp.AVG``: the same v
 one pass over the bucket less; see ``Scheduler.submit``).
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ class CommschedState:
     """
 
     __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder",
-                 "held")
+                 "held", "results")
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
@@ -77,6 +77,21 @@ class CommschedState:
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
         self.held = False             # a bucket of this iteration returned a stream-less future
+        self.results: List[Optional[_BucketTensor]] = []     # by bucket index
+
+    def result(self, index: int, tensor: torch.Tensor) -> "_BucketTensor":
+        """The callback that resolves bucket ``index``'s future to ``tensor``: made once
+        per bucket buffer, not a closure per call ([Note: no cycles on the hot path] in
+        docs/design.md)."""
+        results = self.results
+        if index < len(results):
+            result = results[index]
+            if result is not None and result.tensor is tensor:
+                return result
+        else:
+            results.extend([None] * (index + 1 - len(results)))
+        result = results[index] = _BucketTensor(tensor)
+        return result
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
@@ -110,11 +125,12 @@ def commsched_hook(state: CommschedState,
                                group=state.group, average=True)
     work = request.issued_work()
     if work is not None:
-        future = work.get_future().then(lambda _, tensor=tensor: tensor)
+        future = work.get_future().then(state.result(bucket.index(), tensor))
     else:
         future = request.future
         state.held = True
     if bucket.is_last():
+        del state.results[bucket.index() + 1:]      # (buckets rebuilt: fewer of them)
         # DDP issues collectives of its own on this group right after the last bucket
         # (the unused-parameter map with find_unused_parameters): ours must all have been
         # issued before, or the ranks' collective sequences could interleave differently.
@@ -126,6 +142,19 @@ def commsched_hook(state: CommschedState,
             state.held = False
             scheduler.join(state.group)
     return future
+
+
+class _BucketTensor:
+    """Resolves a bucket's future (``Future.then``) to the bucket's buffer, whatever the
+    collective's own result is (a chunk of it, where the bucket was cut)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __call__(self, _future) -> torch.Tensor:
+        return self.tensor
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,

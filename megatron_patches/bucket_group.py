@@ -108,18 +108,25 @@ def collective_group(bucket_group):
 class BucketGroupHandle:
     """What megatron stores in ``grad_reduce_handle`` / ``param_gather_handle``: ``wait()``
     waits for every request of the call (``Request.wait()``), after raising the priority
-    floor of the process group (see the module docstring)."""
+    floor of the process group (see the module docstring), and lets go of them.
+
+    One per bucket group and phase, made with its member and given the requests of each
+    call in turn (megatron holds at most one call's handle per phase and drops it once
+    waited for): nothing is allocated per call, and nothing of a call is kept past its
+    wait ([Note: no cycles on the hot path] in docs/design.md)."""
 
     __slots__ = ("_state", "_requests")
 
-    def __init__(self, state: "GroupState", requests: List[Request]):
+    def __init__(self, state: "GroupState"):
         self._state = state
-        self._requests = requests
+        self._requests: List[Request] = []
 
     def wait(self) -> None:
         self._state.raise_floor()
-        for request in self._requests:
+        requests = self._requests
+        for request in requests:
             request.wait()
+        requests.clear()
 
 
 class _Member:
@@ -127,9 +134,10 @@ class _Member:
     same on every rank), the buffer segment it belongs to (for its layer position), why a
     phase cannot run through the scheduler (None: it can), and its requests' keys per
     phase, one per bucket: ``bg3.grad``, ``bg3.b1.param``, unique within an iteration,
-    since a bucket group submitting a phase twice starts the next iteration."""
+    since a bucket group submitting a phase twice starts the next iteration; and its
+    handle per phase."""
 
-    __slots__ = ("state", "index", "segment", "ref", "reasons", "keys")
+    __slots__ = ("state", "index", "segment", "ref", "reasons", "keys", "handles")
 
     def __init__(self, state: "GroupState", index: int, segment: int, ref,
                  reasons: Dict[str, Optional[str]], buckets: int):
@@ -141,6 +149,7 @@ class _Member:
         self.keys = {phase: [f"bg{index}.b{bucket}.{phase}" if buckets > 1
                              else f"bg{index}.{phase}" for bucket in range(buckets)]
                      for phase in (GRAD_SYNC, PARAM_GATHER)}
+        self.handles = {phase: BucketGroupHandle(state) for phase in (GRAD_SYNC, PARAM_GATHER)}
 
 
 class GroupState:
@@ -156,7 +165,6 @@ class GroupState:
         self.submitted = {GRAD_SYNC: set(), PARAM_GATHER: set()}
         self.floor = 0
         self.max_priority = 0
-        self.outstanding: List[Request] = []
 
     # ---- membership ----------------------------------------------------------------------
     def add(self, bucket_group, reasons: Dict[str, Optional[str]]) -> _Member:
@@ -207,11 +215,6 @@ class GroupState:
         self.floor = 0
         self.max_priority = 0
 
-    def pending(self) -> List[Request]:
-        """Submitted requests whose future has not resolved yet."""
-        self.outstanding = [r for r in self.outstanding if not r.done()]
-        return self.outstanding
-
 
 class Runtime:
     """Per-process state of the applied patches: the scheduler (created on first use), one
@@ -229,7 +232,10 @@ class Runtime:
         self.recorder = None
         self.scheduler: Optional[Scheduler] = None
         self.states: Dict[object, GroupState] = {}
-        self.members: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        # Registered bucket groups by id(), each checked against its member's weak
+        # reference (an id may be reused once a bucket group is gone): looked up in every
+        # patched call, where a WeakKeyDictionary would make a weak reference each time.
+        self.members: Dict[int, _Member] = {}
         self._logged = set()
         self._lock = threading.Lock()
 
@@ -246,7 +252,7 @@ class Runtime:
             # do only where the gradient syncs run unscheduled.
             closing = GRAD_SYNC if reasons[GRAD_SYNC] is None else PARAM_GATHER
             state = self.states[group] = GroupState(group, closing)
-        self.members[bucket_group] = state.add(bucket_group, reasons)
+        self.members[id(bucket_group)] = state.add(bucket_group, reasons)
 
     def state_of(self, bucket_group) -> Optional[GroupState]:
         group = collective_group(bucket_group)
@@ -269,8 +275,8 @@ class Runtime:
         return None
 
     def _lookup(self, bucket_group, phase: str) -> Tuple[Optional[_Member], Optional[str]]:
-        member = self.members.get(bucket_group)
-        if member is None:
+        member = self.members.get(id(bucket_group))
+        if member is None or member.ref() is not bucket_group:
             return None, ("bucket groups constructed before commsched.megatron_patches.apply() "
                           "(apply it, or apply_on_import, before the model is built)")
         return member, member.reasons[phase]
@@ -324,10 +330,13 @@ class Runtime:
 
     def complete_outstanding(self, state: GroupState) -> None:
         """End ``state``'s open iteration and wait for its submitted requests, so that a
-        collective megatron issues itself on the group comes after them on every rank."""
-        if state.pending():
+        collective megatron issues itself on the group comes after them on every rank.
+        (The scheduler knows which are pending: a list of them kept here would keep them
+        past their iteration, [Note: no cycles on the hot path] in docs/design.md.)"""
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler.pending(state.group):
             self.end_iteration(state)
-            for request in list(state.pending()):
+            for request in scheduler.pending(state.group):
                 request.wait()
 
     # ---- submission ----------------------------------------------------------------------
@@ -343,17 +352,18 @@ class Runtime:
         natural = (state.size() if phase == GRAD_SYNC else 0) + state.position(member)
         priority = max(natural, state.floor)
         reduce_op, scale = _reduction(average, state.group, tensors[0])
-        requests = []
+        handle = member.handles[phase]
+        requests = handle._requests
+        requests.clear()              # (a call megatron dropped without waiting for it)
         for key, tensor in zip(member.keys[phase], tensors):
             requests.append(scheduler.submit(
                 tensor, key=key, priority=priority, op=op, group=state.group,
                 scale=scale, reduce_op=reduce_op, async_op=async_op))
         state.max_priority = max(state.max_priority, priority)
-        state.outstanding = state.pending() + requests
         state.submitted[phase].add(member.index)
         if phase == state.closing_phase and len(state.submitted[phase]) >= state.closing_count():
             self.end_iteration(state)
-        return BucketGroupHandle(state, requests)
+        return handle
 
     def end_iteration(self, state: GroupState) -> None:
         """End the scheduler iteration: whatever the plan still holds back may go."""

@@ -56,6 +56,24 @@ class FakeStream:
         pass
 
 
+class _Waited:
+    """A work that was waited for: complete, as an NCCL work is once its kernel ran."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 _CURRENT = FakeStream()
 
 
@@ -89,7 +107,8 @@ def install() -> None:
     def synchronous_issue_step(chunk, step):
         work = issue_step(chunk, step)
         work.wait()
-        return work
+        # gloo emulates a reduce-scatter, whose work never reports completion; NCCL's do
+        return work if work.is_completed() else _Waited(work)
 
     issue.issue_step = synchronous_issue_step
     lane_init = lane.Lane.__init__

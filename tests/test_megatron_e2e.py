@@ -453,3 +453,44 @@ def test_peak_memory_is_the_largest_max_allocated_of_the_memory_reports():
     summary["nvlink/no_overlap"].pop("stock_peak_mib")
     summary["nvlink/no_overlap"].pop("patched_peak_mib")
     assert "| patched 26.5 |" not in megatron_e2e.table(summary)
+
+
+def test_iteration_stats_give_median_p90_max_and_the_iterations_above_1_2x_the_median():
+    ms = [100.0] * 8 + [130.0, 300.0]
+    assert megatron_e2e.iteration_stats(ms) == {"median": 100.0, "p90": 130.0, "max": 300.0,
+                                                "stalls": 2}
+    assert megatron_e2e.iteration_stats([50.0]) == {"median": 50.0, "p90": 50.0, "max": 50.0,
+                                                    "stalls": 0}
+    # exactly 1.2x the median is not a stall
+    assert megatron_e2e.iteration_stats([100.0, 100.0, 120.0])["stalls"] == 0
+    with pytest.raises(ValueError):
+        megatron_e2e.iteration_stats([])
+
+
+def test_every_variant_reports_its_iteration_stats_separate_and_interleaved():
+    """Separate launches: all rounds' intervals after skip pooled, and each run's count
+    above 1.2x its own median; interleaved: each variant's iterations of the process."""
+    def run(ms):
+        iterations = list(range(1, len(ms) + 1))
+        return {"error": None, "iterations": iterations, "ms": ms, "loss": [1.0] * len(ms)}
+    rounds = [{"regime": "host", "setting": "no_overlap", "round": 1,
+               "stock": run([900.0, 100.0, 100.0, 100.0, 100.0]),
+               "patched": run([900.0, 100.0, 100.0, 100.0, 700.0])},
+              {"regime": "host", "setting": "no_overlap", "round": 2,
+               "stock": run([900.0, 110.0, 110.0, 110.0, 110.0]),
+               "patched": run([900.0, 110.0, 110.0, 110.0, 110.0])}]
+    row = megatron_e2e.summarize(rounds, skip=1)["host/no_overlap"]
+    assert row["stock_stats"] == {"median": 105.0, "p90": 110.0, "max": 110.0, "stalls": 0}
+    assert row["patched_stats"] == {"median": 110.0, "p90": 700.0, "max": 700.0, "stalls": 1}
+    assert row["patched_stalls_rounds"] == [1, 0] and row["stock_stalls_rounds"] == [0, 0]
+    assert "patched 110.0 / 700.0 / 700.0, 1 (1, 0)" in megatron_e2e.table({"k": row})
+
+    interleaved = _interleaved_round(1, "patched", [1.0] * 12)
+    interleaved["interleaved"]["ms"][10] = 500.0          # iteration 11, a stock block's
+    row = megatron_e2e.summarize([interleaved], skip=3)["host/distopt_overlap"]
+    assert row["interleaved_stock_stats"]["stalls"] == 1
+    assert row["interleaved_stock_stats"]["max"] == 500.0
+    assert row["interleaved_patched_stats"] == {"median": 200.0, "p90": 200.0, "max": 200.0,
+                                                "stalls": 0}
+    assert row["interleaved_stock_stalls_rounds"] == [1]
+    assert "interleaved stock 200.0 / " in megatron_e2e.table({"k": row})

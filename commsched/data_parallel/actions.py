@@ -295,7 +295,12 @@ class DeferredActions:
 
 class ModuleHook:
     """A module's forward pre-hook, installed while at least one of its pending layer
-    groups counts on it (DataParallelEngine._arm)."""
+    groups counts on it (DataParallelEngine._arm).
+
+    Registered once; taken out and put back (first, as ``prepend=True`` registers it) under
+    the same id as its groups come and go: a registration per iteration would make a
+    handle and its weak references each time ([Note: no cycles on the hot path] in
+    docs/design.md)."""
 
     __slots__ = ("module", "hook", "handle", "pending")
 
@@ -307,12 +312,18 @@ class ModuleHook:
     def add(self) -> None:
         self.pending += 1
         if self.pending == 1:
-            self.handle = self.module.register_forward_pre_hook(self.hook, prepend=True)
+            handle = self.handle
+            hooks = self.module._forward_pre_hooks
+            if handle is None or handle.hooks_dict_ref() is not hooks:
+                self.handle = self.module.register_forward_pre_hook(self.hook, prepend=True)
+            else:
+                hooks[handle.id] = self.hook
+                hooks.move_to_end(handle.id, last=False)
 
     def drop(self) -> None:
         self.pending -= 1
-        if self.pending == 0:
-            self.clear()
+        if self.pending == 0 and self.handle is not None:
+            self.handle.remove()
 
     def clear(self) -> None:
         if self.handle is not None:

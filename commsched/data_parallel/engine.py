@@ -111,6 +111,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self.slot = [(g, j) for g in self.groups for j in range(len(g.params))]
         self.clean = [True] * len(self.params)    # slot known to be zero
         self.used = [False] * len(self.params)    # hook fired in this backward
+        self._unused = [False] * len(self.params)
         self.view_cls = grad_view_class(self)
 
         # Initial state from rank 0, like DDP.

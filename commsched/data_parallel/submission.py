@@ -118,7 +118,7 @@ class GradientSubmission:
         self._next = len(self.groups) - 1
         for g in self.groups:
             g.ready = 0
-        self.used = [False] * len(self.params)
+        self.used[:] = self._unused         # (in place: no list per backward)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self._rows_only:
             # A weight with only row gradients has nothing for autograd to accumulate: its

@@ -36,7 +36,10 @@ launcher / stock), each round's own patched / stock (its two runs ran minutes ap
 same ratio of the median logged interval of all rounds pooled (``--log-interval 1``: of
 the median iteration), each variant's peak memory (the largest "max allocated" of
 Megatron's memory reports, any rank and round), and whether the losses were identical at
-every logged iteration of every round. The model is the protocol's GPT (24 layers x 1024,
+every logged iteration of every round; and per variant (separate launches and
+interleaved) the median, p90 and max of the logged intervals after ``--skip``, all rounds
+pooled, with how many are above 1.2x the median (stalls; per run, above its own median;
+``--log-interval 1`` makes each interval one iteration). The model is the protocol's GPT (24 layers x 1024,
 seq 1024, micro-batch 8; ``--layers``, ``--hidden``, ``--micro-batch``, and any other
 pretrain_gpt.py arguments with ``--megatron-args``). commsched is put
 on the workers' path from this checkout (no install needed). Output: a progress line per
@@ -249,6 +252,23 @@ def _interleaved_blocks(result: Dict[str, object]) -> Dict[int, tuple]:
     return blocks
 
 
+STALL_FACTOR = 1.2          # an iteration this much slower than the median is a stall
+
+
+def iteration_stats(values: List[float]) -> Dict[str, float]:
+    """``median``, ``p90`` and ``max`` of iteration times (ms), and ``stalls``: how many
+    are above ``STALL_FACTOR`` x the median (a cycle collection inside an iteration
+    shows there, not in a mean)."""
+    if not values:
+        raise ValueError("no iteration times")
+    ordered = sorted(values)
+    median = statistics.median(ordered)
+    # p90: the nearest rank (an iteration that ran), not an interpolation between two
+    p90 = ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+    return {"median": median, "p90": p90, "max": ordered[-1],
+            "stalls": sum(v > STALL_FACTOR * median for v in ordered)}
+
+
 def interleaved_intervals(result: Dict[str, object], skip: int) -> Dict[str, List[float]]:
     """An interleaved run's iteration times after ``skip``, per variant, without the first
     iteration of each block (the switch); needs every iteration logged."""
@@ -351,7 +371,11 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
     run (see the module docstring) gives
     ``interleaved_ratio_rounds`` (each round's mean patched iteration over its mean stock
     iteration), ``interleaved_ratio`` (their median), the same of the pooled median
-    iterations (``interleaved_ratio_median_iteration``) and the iterations compared."""
+    iterations (``interleaved_ratio_median_iteration``) and the iterations compared.
+    Every variant, launched separately and interleaved, also gets ``{variant}_stats``
+    (``iteration_stats`` of its logged intervals after ``skip``, all rounds pooled) and
+    ``{variant}_stalls_rounds`` (each run's count above 1.2x its own median); interleaved
+    ones are named ``interleaved_{variant}_...``."""
     out: Dict[str, object] = {}
     # Without a stock launch: each row's interleaved losses by the variant they started with
     opposite: Dict[str, Dict[str, list]] = {}
@@ -377,6 +401,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                     means[name] = statistics.fmean(kept)
                     values.append(means[name])
                     row.setdefault(f"{name}_intervals_ms", []).extend(kept)
+                    row.setdefault(f"{name}_stalls_rounds", []).append(
+                        iteration_stats(kept)["stalls"])
                 except ValueError as exc:
                     row["errors"].append(f"{name} round {run['round']}: {exc}")
             if stock is not None and (result["error"] or stock["error"]
@@ -408,6 +434,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                         interleaved_block_pairs(interleaved, skip))
                     for name, values in parts.items():
                         row.setdefault(f"interleaved_{name}_ms", []).extend(values)
+                        row.setdefault(f"interleaved_{name}_stalls_rounds", []).append(
+                            iteration_stats(values)["stalls"])
             if stock is not None and (interleaved["error"] or stock["error"]
                                       or interleaved.get("loss") != stock.get("loss")):
                 row["losses_equal"] = False
@@ -433,6 +461,8 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 / statistics.median(row["interleaved_stock_ms"]))
             row["interleaved_iterations"] = {
                 name: len(row[f"interleaved_{name}_ms"]) for name in ("patched", "stock")}
+            for name in ("patched", "stock"):
+                row[f"interleaved_{name}_stats"] = iteration_stats(row[f"interleaved_{name}_ms"])
             diffs = row.get("interleaved_block_diff_ms") or []
             if len(diffs) >= 2:
                 row["interleaved_block_diff_mean_ms"] = statistics.fmean(diffs)
@@ -444,6 +474,7 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
             intervals = row.get(f"{name}_intervals_ms")
             if intervals:
                 row[f"{name}_interval_median_ms"] = statistics.median(intervals)
+                row[f"{name}_stats"] = iteration_stats(intervals)
             cpu = row.get(f"{name}_cpu_ms")
             if cpu:
                 row[f"{name}_cpu_median_ms"] = statistics.median(cpu)
@@ -457,6 +488,19 @@ def summarize(runs: List[Dict[str, object]], skip: int) -> Dict[str, object]:
                 typical / row["stock_interval_median_ms"]
                 if typical and row.get("stock_interval_median_ms") else None)
     return out
+
+
+def stats_cell(row: Dict[str, object]) -> Optional[str]:
+    """Each variant's ``iteration_stats`` (separate launches, then interleaved)."""
+    parts = []
+    for name in (*VARIANTS, "interleaved_patched", "interleaved_stock"):
+        stats = row.get(f"{name}_stats")
+        if stats:
+            per_run = ", ".join(map(str, row.get(f"{name}_stalls_rounds", [])))
+            parts.append(f"{name.replace('_', ' ')} {stats['median']:.1f} / "
+                         f"{stats['p90']:.1f} / {stats['max']:.1f}, {stats['stalls']} "
+                         f"({per_run})")
+    return "; ".join(parts) or None
 
 
 def table(summary: Dict[str, object]) -> str:
@@ -501,7 +545,7 @@ def table(summary: Dict[str, object]) -> str:
                       f"{counts['patched']} / {counts['stock']}" if counts else None]
         rows.append([row["regime"], row["setting"], cell("stock"), cell("patched"),
                      ratio("ratio"), per_round("ratio_rounds"),
-                     ratio("ratio_interval_median"), *extra,
+                     ratio("ratio_interval_median"), *extra, stats_cell(row),
                      peak_cell(),
                      {True: "yes", False: "NO", None: "not compared"}[row["losses_equal"]]
                      + (" (opposite rounds)" if row.get("losses_compared", "").startswith(
@@ -520,7 +564,7 @@ def table(summary: Dict[str, object]) -> str:
     return benchlib.markdown_table(
         ["regime", "setting", "7a stock ms/iter", "7b patched ms/iter", "patched/stock",
          "patched/stock per round", "patched/stock (median interval)", *extra,
-         "peak GiB (max allocated, any rank)", "losses equal", "note"], rows)
+         "iterations: median / p90 / max ms, count > 1.2x median (per run)", "peak GiB (max allocated, any rank)", "losses equal", "note"], rows)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
