@@ -9,12 +9,8 @@ One iteration, for layer groups g0 (first layer) .. g3 (last layer):
   scheduler lane                [ar g3 ]  [ar g2 ]  [ar g1 ]   [ar g0 ]
   fwd k+1 pre-hooks                                          g0: wait ar g0, update g0, run
                                                              g1: wait ar g1, update g1, run ...
-  step() records the hyper-parameters and returns; the update of a group runs when the
-  group's request completed: at step() if the request is already done, in the forward
-  pre-hook of the first module that needs it, or in drain(). Updates that can run at the
-  same point run as one optimizer step (at step(), zero_grad(), drain(), and the first
-  pre-hook of a forward): a step() call costs a fixed amount of Python whatever its size,
-  and with many layer groups per-group steps cost more CPU than the whole update of DDP.
+  step() records the hyper-parameters and returns; when each group's update runs is
+  actions.py's to say.
 
 The lane sends the groups in submission order for ``profile_iters`` iterations, then in
 the order of its plan (policy priority): with whole groups and ``plan_forward``, the order
