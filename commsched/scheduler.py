@@ -40,7 +40,7 @@ from .observer import IterationRecord
 from .partition import Chunk, partition
 from .safety import check_agreement
 from .topology import Topology, local_size_from_env
-from .workers import keep_past_exit
+from .workers import keep_past_exit, settle_gloo_workers
 
 __all__ = ["Scheduler", "Request", "SchedulerError"]
 
@@ -201,11 +201,13 @@ def _close_at_exit() -> None:
     inside a torch call with the GIL released when finalization begins (resolving the
     future the main thread just returned from, say) is ended as it takes the GIL back, and
     ending it inside C++ aborts the process ("terminate called without an active
-    exception"). Closing completes what was issued, then joins the threads."""
+    exception"). Closing completes what was issued, then joins the threads; then no gloo
+    worker thread is left with a collective to destroy (commsched.workers)."""
     for scheduler in list(_live):
         if not scheduler._closed:
             scheduler.close()
     keep_past_exit()
+    settle_gloo_workers()
 
 
 class Scheduler:

@@ -1,6 +1,7 @@
 """commsched.workers.exit_worker: exit handlers run, output is flushed, the status is kept,
 and the interpreter is not finalized."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -47,3 +48,43 @@ def test_a_normal_exit_would_finalize():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "bufferednot reached\nexit handler ran\nfinalized\n"
+
+
+# A one-rank gloo group in a child of its own: settle_gloo_workers finds the group's worker
+# threads by the name torch gives them (if torch renamed them, the wait would silently do
+# nothing), returns at once without any, and once they are back waiting for work.
+SETTLE_CHILD = textwrap.dedent("""
+    import json, os, sys, tempfile, time
+    import torch
+    import torch.distributed as dist
+    from commsched import workers
+
+    before = workers._gloo_worker_states()
+    t0 = time.monotonic()
+    settled_without = workers.settle_gloo_workers()
+    without_s = time.monotonic() - t0
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1024))
+    during = workers._gloo_worker_states()
+    settled = workers.settle_gloo_workers(timeout_s=10)
+    after = workers._gloo_worker_states()
+    dist.destroy_process_group()
+    print(json.dumps(dict(before=before, settled_without=settled_without,
+                          without_s=without_s, during=during, settled=settled, after=after)))
+    workers.exit_worker(0)
+""")
+
+
+def test_settle_finds_the_gloo_worker_threads_and_returns_once_they_wait():
+    proc = subprocess.run([sys.executable, "-c", SETTLE_CHILD], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["before"] == [] and seen["settled_without"] is True
+    assert seen["without_s"] < 0.05
+    # gloo's default: two worker threads per group (a thread names itself as it starts:
+    # one that never ran yet still has its parent's name, and has run nothing)
+    assert 1 <= len(seen["during"]) <= 2
+    assert seen["settled"] is True and seen["after"] == ["S"] * len(seen["after"])
