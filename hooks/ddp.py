@@ -77,20 +77,18 @@ class CommschedState:
             id(p): i for i, p in enumerate(module.parameters())}
         self.bucket_priority: Dict[Tuple[int, int], int] = {}
         self.held = False             # a bucket of this iteration returned a stream-less future
-        self.results: List[Optional[_BucketTensor]] = []     # by bucket index
+        self.results: List[_BucketTensor] = []     # by bucket index
 
     def result(self, index: int, tensor: torch.Tensor) -> "_BucketTensor":
-        """The callback that resolves bucket ``index``'s future to ``tensor``: made once
-        per bucket buffer, not a closure per call ([Note: no cycles on the hot path] in
-        docs/design.md)."""
+        """The callback that resolves bucket ``index``'s future to ``tensor``: one object
+        per bucket index, given the call's buffer each time, not a closure per call
+        ([Note: no cycles on the hot path] in docs/design.md). It lets go of the buffer
+        once called: after DDP rebuilds its buckets the old buffers are not kept."""
         results = self.results
-        if index < len(results):
-            result = results[index]
-            if result is not None and result.tensor is tensor:
-                return result
-        else:
-            results.extend([None] * (index + 1 - len(results)))
-        result = results[index] = _BucketTensor(tensor)
+        if index >= len(results):
+            results.extend(_BucketTensor() for _ in range(index + 1 - len(results)))
+        result = results[index]
+        result.tensor = tensor
         return result
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
@@ -146,15 +144,18 @@ def commsched_hook(state: CommschedState,
 
 class _BucketTensor:
     """Resolves a bucket's future (``Future.then``) to the bucket's buffer, whatever the
-    collective's own result is (a chunk of it, where the bucket was cut)."""
+    collective's own result is (a chunk of it, where the bucket was cut). DDP waits for
+    every bucket's future before the next backward, so each is called before its bucket's
+    next call gives it the next buffer."""
 
     __slots__ = ("tensor",)
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self):
+        self.tensor: Optional[torch.Tensor] = None
 
     def __call__(self, _future) -> torch.Tensor:
-        return self.tensor
+        tensor, self.tensor = self.tensor, None
+        return tensor
 
 
 def register(ddp_model: torch.nn.parallel.DistributedDataParallel,

@@ -90,7 +90,7 @@ def _worker(rank, world, outdir, fake, names):
     from gc_census import Lifetimes, keep_no_gloo_works, settled, steady_state
 
     keep_no_gloo_works()
-    results = {}
+    results = {"fake_cuda": fake}
     step, _ = _ddp_step(None)
     results["stock_ddp"] = steady_state(step, settled())
     closers = []
@@ -109,6 +109,11 @@ def _worker(rank, world, outdir, fake, names):
         config = Config(**CONFIGS[name])
         step, state = _ddp_step(config)
         results[f"hook/{name}"]["left"] = lifetimes.run(step, settled(state.scheduler))
+        # the per-bucket callbacks of futures issued at once (CUDA), and the bucket buffers
+        # they still hold once DDP has waited for them
+        results[f"hook/{name}"]["callbacks"] = len(state.results)
+        results[f"hook/{name}"]["held_buffers"] = sum(r.tensor is not None
+                                                      for r in state.results)
         closers.append(state.close)
         if not fake:
             step, model = _data_parallel_step(config)
@@ -126,6 +131,15 @@ def measured(request, tmp_path_factory):
     outdir = tmp_path_factory.mktemp("no_cycles")
     run_workers(_worker, 2, str(outdir), request.param, list(CONFIGS), timeout=240)
     return [json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_the_hook_holds_no_bucket_buffer_once_ddp_waited_for_it(measured):
+    # CUDA only: futures issued at once resolve through a per-bucket callback
+    for rank, results in enumerate(measured):
+        hooks = [results[f"hook/{name}"] for name in CONFIGS]
+        assert all(h["held_buffers"] == 0 for h in hooks), (rank, hooks)
+        if results["fake_cuda"]:
+            assert results["hook/default"]["callbacks"] > 0, (rank, hooks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
