@@ -88,3 +88,45 @@ def test_settle_finds_the_gloo_worker_threads_and_returns_once_they_wait():
     # one that never ran yet still has its parent's name, and has run nothing)
     assert 1 <= len(seen["during"]) <= 2
     assert seen["settled"] is True and seen["after"] == ["S"] * len(seen["after"])
+
+
+# Threads that stand in for gloo's workers (named as torch names them): one busy (runnable)
+# for a while, then asleep; one busy past the timeout.
+BUSY_CHILD = textwrap.dedent("""
+    import json, threading, time
+    from commsched import workers
+    from commsched.threads import _set_os_name
+
+    def worker(busy_s):
+        _set_os_name(workers.GLOO_WORKER_THREAD)
+        end = time.monotonic() + busy_s
+        while time.monotonic() < end:
+            pass
+        time.sleep(60)
+
+    out = {}
+    for name, busy_s, timeout_s in (("done_in_time", 0.3, 10.0), ("past_timeout", 3.0, 0.3)):
+        threading.Thread(target=worker, args=(busy_s,), daemon=True).start()
+        while len(workers._gloo_worker_states()) < len(out) + 1:
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        settled = workers.settle_gloo_workers(timeout_s=timeout_s)
+        out[name] = dict(settled=settled, waited_s=time.monotonic() - t0)
+        if name == "done_in_time":
+            out[name]["states_after"] = workers._gloo_worker_states()
+    print(json.dumps(out))
+    workers.exit_worker(0)
+""")
+
+
+def test_settle_waits_for_a_running_worker_and_gives_up_at_its_timeout():
+    proc = subprocess.run([sys.executable, "-c", BUSY_CHILD], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    done, past = seen["done_in_time"], seen["past_timeout"]
+    # returned only once the worker went to sleep, at most 0.3 s after it started
+    assert done["settled"] is True and done["waited_s"] >= 0.1, seen
+    assert done["states_after"] == ["S"], seen
+    # the second worker stays runnable for 3 s: settle gives up at 0.3 s, not later
+    assert past["settled"] is False and 0.3 <= past["waited_s"] < 2.5, seen
