@@ -81,3 +81,17 @@ def run_group(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class SmallNet(torch.nn.Module):
+    """Three linear layers (16 -> 64 -> 64 -> 3): with ``bucket_cap_mb=0.01`` DDP cuts its
+    gradients into several buckets."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.layers = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64),
+                                    nn.Tanh(), nn.Linear(64, 3))
+
+    def forward(self, x):
+        return self.layers(x)

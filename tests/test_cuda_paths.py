@@ -14,10 +14,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_workers
+from distributed import SmallNet, run_workers
 
 SIZES = (1000, 40, 3000, 512, 7)
 
@@ -191,21 +190,11 @@ def test_cuda_paths_equal_plain_collectives():
     run_workers(_cuda_paths, 2, timeout=120)
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64),
-                                    nn.Tanh(), nn.Linear(64, 3))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def _train(config, rank, steps=5):
     import commsched.hooks
 
     torch.manual_seed(0)
-    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    ddp = DDP(SmallNet(), bucket_cap_mb=0.01)
     state = commsched.hooks.register(ddp, config) if config is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)

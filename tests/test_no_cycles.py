@@ -14,10 +14,9 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_workers
+from distributed import SmallNet, run_workers
 from gc_census import ONE_OFF
 
 # What a steady-state iteration may add to the collector's generation-0 count beyond stock
@@ -37,22 +36,12 @@ CONFIGS = {
 }
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64),
-                                    nn.Tanh(), nn.Linear(64, 3))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def _ddp_step(config):
     """One training iteration of DDP (3 buckets), with the hook where ``config`` is given."""
     import commsched.hooks
 
     torch.manual_seed(0)
-    ddp = DDP(_Net(), bucket_cap_mb=0.01)
+    ddp = DDP(SmallNet(), bucket_cap_mb=0.01)
     state = commsched.hooks.register(ddp, config) if config is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     x = torch.randn(8, 16)
@@ -68,7 +57,7 @@ def _data_parallel_step(config):
     import commsched.data_parallel
 
     torch.manual_seed(0)
-    model = _Net()
+    model = SmallNet()
     model, opt = commsched.data_parallel.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05,
                                                                momentum=0.9), config,
                                         group_bytes=4096)
