@@ -13,6 +13,15 @@ size: invariant 1 holds because the choice depends only on the chunk's size and 
 every rank agreed on. A chunk takes the winner of the smallest calibrated size that is at
 least its own (the largest size's winner beyond it).
 
+The winner at a size (:func:`winner`): starting from ``none``, ``hier`` and then ``leader``
+each take over only where they measured more than ``AUTO_MARGIN`` (20%) faster than the
+one chosen so far (under 0.8 x its time). So ``auto`` leaves ``none`` only for a
+decomposition more than 20% faster than it, and no candidate beat the one chosen by more
+than 20%. Each launch measures anew, and where two candidates came out close the fastest
+was a matter of noise: two launches of one job could run different collectives. Within the
+margin the earlier candidate costs about the same, so it is kept; ``none``, the plain
+collective, comes first.
+
 Calibration runs synchronously, at a point every rank reaches in the same collective
 sequence with nothing of the lane in flight: the lane's first request (the scheduler falls
 back to the static size rule, :func:`static_choice`, when ``auto`` is first asked for by a
@@ -21,7 +30,7 @@ per-request override while chunks are in flight). It is done once per lane.
 Example::
     table = calibrate(topology, torch.device("cuda", 0), torch.float32)
     table.choose(1 << 20)        # -> "hier", say
-    print(table.describe())
+    print(table.describe())      # by chunk size: up to 64 KiB none, above: hier
 """
 
 from __future__ import annotations
@@ -33,14 +42,24 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import notices
 from .config import ConfigError
+from .observer import AutoChoice
 
-__all__ = ["AutoTable", "calibrate", "run_decomposition", "static_choice",
-           "CALIBRATION_SIZES", "REPEATS"]
+__all__ = ["AutoTable", "announce", "calibrate", "run_decomposition", "static_choice",
+           "winner", "CALIBRATION_SIZES", "REPEATS", "AUTO_MARGIN"]
 
 CALIBRATION_SIZES: Tuple[int, ...] = tuple(4096 << (2 * i) for i in range(7))  # 4K .. 16M
 REPEATS = 3
 CANDIDATES = ("none", "hier", "leader")
+# A candidate later in CANDIDATES takes a size over only where it measured faster than the
+# one chosen so far by more than this fraction of that one's time (the module docstring).
+AUTO_MARGIN = 0.2
+
+# torch >= 2.13 names them ``*_single`` (the old names warn there); older releases (the
+# GPU image has 2.11) only have the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # The static rule (no measurements): below this chunk size a collective is latency-bound,
 # and the leader decomposition runs one inter-node all-reduce among few ranks instead of
@@ -55,18 +74,29 @@ def static_choice(nodes: int, chunk_bytes: int) -> str:
     return "leader" if chunk_bytes < STATIC_LEADER_BELOW_BYTES else "hier"
 
 
+def winner(candidates: Sequence[str], times: Sequence[float],
+           margin: float = AUTO_MARGIN) -> str:
+    """Of ``candidates`` (in order of preference) with their ``times``: starting from the
+    first, each next one takes over where its time is under ``(1 - margin)`` x the time
+    of the one chosen so far."""
+    best = 0
+    for i in range(1, len(times)):
+        if times[i] < (1.0 - margin) * times[best]:
+            best = i
+    return candidates[best]
+
+
 class AutoTable:
     """Measured time per (size, candidate), identical on every rank, and the choice it
-    implies per chunk size."""
+    implies per chunk size: at each size the :func:`winner` under ``margin``."""
 
     def __init__(self, sizes: Sequence[int], candidates: Sequence[str],
-                 times_us: Sequence[Sequence[float]]):
+                 times_us: Sequence[Sequence[float]], margin: float = AUTO_MARGIN):
         self.sizes = tuple(sizes)
         self.candidates = tuple(candidates)
         self.times_us = tuple(tuple(row) for row in times_us)   # [size][candidate]
-        # Ties go to the earlier candidate (none first: fewest steps).
-        self.winners = tuple(self.candidates[min(range(len(row)), key=row.__getitem__)]
-                             for row in self.times_us)
+        self.margin = margin
+        self.winners = tuple(winner(self.candidates, row, margin) for row in self.times_us)
 
     def choose(self, chunk_bytes: int) -> str:
         i = bisect.bisect_left(self.sizes, chunk_bytes)
@@ -75,12 +105,21 @@ class AutoTable:
     def rows(self) -> List[Dict[str, object]]:
         """One dict per calibrated size: ``bytes``, ``<candidate>_us`` each, ``chosen``."""
         return [{"bytes": size, **{f"{c}_us": t for c, t in zip(self.candidates, row)},
-                 "chosen": winner}
-                for size, row, winner in zip(self.sizes, self.times_us, self.winners)]
+                 "chosen": chosen}
+                for size, row, chosen in zip(self.sizes, self.times_us, self.winners)]
 
     def describe(self) -> str:
-        cells = ", ".join(f"{_short(s)}: {w}" for s, w in zip(self.sizes, self.winners))
-        return f"auto decomposition by chunk size (measured): {cells}"
+        """The choice by chunk size in words, consecutive sizes with one winner merged:
+        ``up to 64 KiB none, above: hier``."""
+        spans = []
+        for size, chosen in zip(self.sizes, self.winners):
+            if spans and spans[-1][1] == chosen:
+                spans[-1][0] = size
+            else:
+                spans.append([size, chosen])
+        cells = [f"up to {_short(size)} {chosen}" for size, chosen in spans[:-1]]
+        cells.append(f"above: {spans[-1][1]}" if cells else f"every size: {spans[-1][1]}")
+        return "by chunk size: " + ", ".join(cells)
 
 
 def _short(n: int) -> str:
@@ -97,9 +136,9 @@ def run_decomposition(tensor: torch.Tensor, decompose: str, topology, group=None
     if decompose == "hier":
         shard = tensor.numel() // topology.local_size
         own = tensor.narrow(0, topology.local_rank * shard, shard)
-        dist.reduce_scatter_tensor(own, tensor, group=topology.intra)
+        _reduce_scatter(own, tensor, group=topology.intra)
         dist.all_reduce(own, group=topology.inter)
-        dist.all_gather_into_tensor(tensor, own, group=topology.intra)
+        _all_gather(tensor, own, group=topology.intra)
         return
     if decompose == "leader":
         dist.reduce(tensor, dst=topology.leader_rank, group=topology.intra)
@@ -143,3 +182,16 @@ def calibrate(topology, device: torch.device, dtype: torch.dtype,
     values = agreed.cpu().tolist()
     k = len(candidates)
     return AutoTable(sizes, candidates, [values[i * k:(i + 1) * k] for i in range(len(sizes))])
+
+
+def announce(table: AutoTable, lane: str, topology, dtype: torch.dtype, extension=None) -> None:
+    """Say on rank 0, in one line, what ``auto`` chose for ``lane``, and hand the table to
+    the lane's ``extension`` (telemetry: ``commsched report``)."""
+    dtype_name = str(dtype).replace("torch.", "")
+    notices.say(f"decompose=auto on {topology.nodes} nodes x {topology.local_size} local "
+                f"ranks (lane {lane}, {dtype_name}) {table.describe()} (none unless another "
+                f"measured over {table.margin:.0%} faster)")
+    if extension is not None:
+        extension.auto_chosen(AutoChoice(lane, dtype_name, topology.nodes,
+                                         topology.local_size, table.margin,
+                                         tuple(table.rows())))

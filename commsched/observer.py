@@ -14,8 +14,8 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import NotSupportedError
 
-__all__ = ["ChunkRecord", "DeviceMark", "IterationRecord", "Extension", "Extensions",
-           "LaneInfo", "Observer", "as_extension"]
+__all__ = ["AutoChoice", "ChunkRecord", "DeviceMark", "IterationRecord", "Extension",
+           "Extensions", "LaneInfo", "Observer", "as_extension"]
 
 
 class ChunkRecord(NamedTuple):
@@ -27,7 +27,7 @@ class ChunkRecord(NamedTuple):
     request_key: str          # adapter's stable name for the request, e.g. "bucket3"
     op: str                   # the request's op: all_reduce | reduce_scatter | all_gather
     step: str                 # the collective that ran: all_reduce | reduce_scatter | all_gather
-    decompose: str            # none | rs_ag
+    decompose: str            # the request's: none | rs_ag | hier | leader (auto's choice)
     chunk_index: int          # index of the chunk within its request
     num_chunks: int           # chunks in the request
     nbytes: int               # payload bytes of the chunk (the full-size tensor, before any split)
@@ -65,6 +65,18 @@ class IterationRecord(NamedTuple):
     flush_mark: Optional[DeviceMark] = None
 
 
+class AutoChoice(NamedTuple):
+    """``decompose=auto`` measured a lane's candidates and chose per chunk size (the same
+    table on every rank, see calibrate.py)."""
+
+    lane: str
+    dtype: str                # of the request that was measured, e.g. "float32"
+    nodes: int
+    local_size: int           # ranks per node
+    margin: float             # calibrate.AUTO_MARGIN in force
+    rows: Tuple[dict, ...]    # per size: bytes, <candidate>_us, chosen (AutoTable.rows())
+
+
 class LaneInfo(NamedTuple):
     """What a lane tells the extensions made for it (``Scheduler(extensions=...)``)."""
 
@@ -96,6 +108,8 @@ class Extension:
     * ``wants_records()``: whether the steps completing now are wanted as ChunkRecords.
     * ``on_chunks(records)``: steps that finished on the device, in issue order.
     * ``on_iteration(record)``: an iteration was ended (caller's thread).
+    * ``auto_chosen(choice)``: ``decompose=auto`` chose per chunk size (an ``AutoChoice``;
+      the submitting thread, once per lane).
     * ``drained()``: the lane was drained (caller's thread).
 
     ``timed``: the lane times every step on the device (events), for its records.
@@ -127,6 +141,9 @@ class Extension:
         pass
 
     def on_iteration(self, record: IterationRecord) -> None:
+        pass
+
+    def auto_chosen(self, choice: AutoChoice) -> None:
         pass
 
     def drained(self) -> None:
@@ -175,6 +192,10 @@ class Extensions(Extension):
     def on_iteration(self, record: IterationRecord) -> None:
         for part in self.parts:
             part.on_iteration(record)
+
+    def auto_chosen(self, choice: AutoChoice) -> None:
+        for part in self.parts:
+            part.auto_chosen(choice)
 
     def drained(self) -> None:
         for part in self.parts:

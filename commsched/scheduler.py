@@ -522,10 +522,11 @@ def _auto_decomposition(lane: Lane, topology: Topology, tensor: torch.Tensor,
     ``auto`` keeps the static size rule."""
     if topology.nodes == 1:
         return "none"
-    from .calibrate import calibrate, static_choice
+    from .calibrate import announce, calibrate, static_choice
 
     if topology.auto_table is None and lane.order.count == 0:
         topology.auto_table = calibrate(topology, lane.device, tensor.dtype)
+        announce(topology.auto_table, lane.name, topology, tensor.dtype, lane.ext)
     nbytes = tensor.numel() * tensor.element_size()
     chunk = nbytes if not partition_bytes else min(nbytes, partition_bytes)
     if topology.auto_table is None:

@@ -139,7 +139,7 @@ def _auto_agrees_on_the_slowest_rank(rank, world, local_size):
     assert table.winners == ("none", "none")
 
 
-def test_auto_table_picks_the_fastest_per_size():
+def test_auto_table_picks_per_size_and_describes_the_spans():
     from commsched.calibrate import AutoTable
     table = AutoTable((4096, 65536, 1 << 20), ("none", "hier", "leader"),
                       [(30.0, 40.0, 20.0), (50.0, 50.0, 60.0), (900.0, 500.0, 700.0)])
@@ -148,7 +148,43 @@ def test_auto_table_picks_the_fastest_per_size():
         "leader", "leader", "none", "none", "hier", "hier"]
     assert table.rows()[2] == {"bytes": 1 << 20, "none_us": 900.0, "hier_us": 500.0,
                                "leader_us": 700.0, "chosen": "hier"}
-    assert "1 MiB: hier" in table.describe()
+    assert table.describe() == ("by chunk size: up to 4 KiB leader, up to 64 KiB none, "
+                                "above: hier")
+    same = AutoTable((4096, 65536), ("none",), [(1.0,), (2.0,)])
+    assert same.describe() == "by chunk size: every size: none"
+
+
+# The margin rule: starting from none, hier and then leader take over only where they
+# measured under 0.8 x the time of the one chosen so far. Expected values by hand.
+@pytest.mark.parametrize("times, chosen", [
+    ((100.0, 80.0, 90.0), "none"),      # hier exactly 20% faster: not more, none stays
+    ((100.0, 79.9, 90.0), "hier"),      # hier more than 20% faster
+    ((100.0, 85.0, 81.0), "none"),      # both faster, neither by the margin
+    ((100.0, 70.0, 60.0), "hier"),      # leader beats hier by less than 20% of hier's time
+    ((100.0, 70.0, 55.9), "leader"),    # leader beats hier by more than 20% (70 * 0.8 = 56)
+    ((100.0, 85.0, 70.0), "leader"),    # hier not 20% ahead of none; leader is
+    ((50.0, 100.0, 39.9), "leader"),    # hier slower: leader must still beat none by 20%
+    ((50.0, 100.0, 40.0), "none"),
+])
+def test_auto_leaves_none_only_for_a_candidate_faster_by_the_margin(times, chosen):
+    from commsched.calibrate import AUTO_MARGIN, AutoTable
+    assert AUTO_MARGIN == 0.2
+    table = AutoTable((1 << 20,), ("none", "hier", "leader"), [times])
+    assert table.winners == (chosen,)
+
+
+def test_auto_choice_is_stable_under_noise_within_the_margin():
+    """Launches whose times differ by up to +-9% per candidate (so two candidates within 2%
+    of each other may swap places) make the same choice where the faster one is not 20%
+    ahead."""
+    import itertools
+    from commsched.calibrate import AutoTable
+    base = (100.0, 98.0, 99.0)                     # hier measured fastest, by 2%
+    choices = set()
+    for noise in itertools.product((0.91, 1.0, 1.09), repeat=3):
+        times = [t * f for t, f in zip(base, noise)]
+        choices.add(AutoTable((4096,), ("none", "hier", "leader"), [times]).winners)
+    assert choices == {("none",)}
 
 
 def _auto_override_later_keeps_the_static_rule(rank, world, local_size):
