@@ -16,23 +16,48 @@ the default group), once per lane.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch.distributed as dist
 
 from .config import ConfigError
 
-__all__ = ["Topology", "local_size_from_env"]
+__all__ = ["Topology", "local_size_from_env", "node_layout"]
 
 
 def local_size_from_env(configured: int, world: int) -> int:
     """``configured`` if set, else the launcher's LOCAL_WORLD_SIZE, else one node."""
+    return _local_size(configured, world)[0]
+
+
+def _local_size(configured: int, world: int) -> Tuple[int, str]:
+    """The node size and where it came from (``node_layout``'s ``local_size_from``)."""
     if configured:
-        return configured
+        return configured, "Config.local_size"
+    text = os.environ.get("LOCAL_WORLD_SIZE")
     try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+        found = int(text) if text is not None else 0
     except ValueError:
-        return world
+        found = 0
+    if found:
+        return found, "LOCAL_WORLD_SIZE"
+    if text is None:
+        return world, "one node (LOCAL_WORLD_SIZE unset)"
+    return world, f"one node (LOCAL_WORLD_SIZE={text!r} is not a count)"
+
+
+def node_layout(configured: int, world: int, rank: int) -> dict:
+    """Where ``rank`` of a ``world``-rank group sits, as ``Topology`` would place it,
+    without creating a group: ``nodes``, ``local_size``, ``node``, ``local_rank`` (None
+    each where the ranks do not divide into nodes of ``local_size``) and
+    ``local_size_from`` (where the node size came from)."""
+    local, source = _local_size(configured, world)
+    if local < 1 or world % local:
+        return {"nodes": None, "local_size": local, "node": None, "local_rank": None,
+                "local_size_from": source}
+    node, local_rank = divmod(rank, local)
+    return {"nodes": world // local, "local_size": local, "node": node,
+            "local_rank": local_rank, "local_size_from": source}
 
 
 class Topology:

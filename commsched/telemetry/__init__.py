@@ -10,6 +10,7 @@ Modules, in data-flow order::
     store.py      SQLite schema, one file per rank; load_run() merges a run directory
     metrics.py    bus bandwidth, interval unions, counter interpolation, outlier statistics
     analysis.py   per-iteration table, summary and outlier attribution (used by report)
+    decomposition.py  nodes x local ranks, the decompositions that ran, auto's table
     report.py     ``commsched report`` (text / JSON)      plot.py: ``--plot``
     trace.py      ``commsched trace`` (Chrome / Perfetto trace JSON)
     nvtx_ranges.py  NVTX push/pop used around dispatches

@@ -31,7 +31,7 @@ from . import nvtx_ranges
 from .errors import TelemetryWarning
 from .nvml import GpuSelector, NvmlBackend, PynvmlBackend
 from .sampler import NvlinkSampler, NvmlStatus
-from .store import create_store, json_dumps, rank_path, run_name
+from .store import OPTIONAL_TABLES, create_store, json_dumps, rank_path, run_name
 from .writer import StepMarker, StoreWriter, TuningDecision
 
 __all__ = ["Recorder", "open_recorder", "step", "active_recorders", "launch_run_dir"]
@@ -111,6 +111,12 @@ class Recorder(Observer):
             self._writer.put(record, wake=not self._steps)
             if self._nvtx:
                 nvtx_ranges.mark(f"commsched flush {record.lane} iteration {record.iteration}")
+
+    def auto_chosen(self, choice) -> None:
+        """``decompose=auto``'s table of a lane (an ``AutoChoice``; submitting thread):
+        enqueue it for the ``auto_choices`` table."""
+        if self._enabled:
+            self._writer.put(choice)
 
     def on_tuning(self, entry: dict) -> None:
         """An autotuner decision (``Scheduler.tuning_log`` entry; training thread): enqueue
@@ -297,6 +303,7 @@ def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, de
         conn = create_store(path, max_bytes=max_db_bytes)
         _insert_run_row(conn, config, rank, world_size, local_rank, nvml_period_ms,
                         nvml_per_link)
+        _insert_topology_row(conn, config, rank, world_size)
     except Exception as exc:  # whatever it is, it must not reach training
         what = "cannot write" if isinstance(exc, (OSError, sqlite3.Error)) else "cannot open"
         reason = f"{what} {path}: {type(exc).__name__}: {exc}"
@@ -395,3 +402,18 @@ def _insert_run_row(conn: sqlite3.Connection, config, rank: int, world_size: int
          _config_json(config), v["python_version"], v["torch_version"], v["cuda_version"],
          v["nccl_version"], v["commsched_version"], "pending", nvml_period_ms,
          int(nvml_per_link)))
+
+
+def _insert_topology_row(conn: sqlite3.Connection, config, rank: int,
+                         world_size: int) -> None:
+    """The ``topology`` row: nodes x ranks per node as the topology-aware decompositions
+    would see them (``node_layout``), whatever the decomposition."""
+    from ..topology import node_layout
+
+    layout = node_layout(int(getattr(config, "local_size", 0) or 0), world_size, rank)
+    conn.execute(f"CREATE TABLE IF NOT EXISTS topology ({OPTIONAL_TABLES['topology']})")
+    conn.execute(
+        "INSERT OR REPLACE INTO topology (rank, world_size, nodes, local_size, node, "
+        "local_rank, local_size_from) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (rank, world_size, layout["nodes"], layout["local_size"], layout["node"],
+         layout["local_rank"], layout["local_size_from"]))

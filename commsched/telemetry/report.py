@@ -1,6 +1,7 @@
 """``commsched report RUN_DIR [--json] [--plot out.png] [--iterations A:B] [--rank R]``.
 
-Prints, per rank, one row per iteration (time, compute, communication busy time, exposed
+Prints the topology (nodes x ranks per node) and how the all-reduces were decomposed
+(``auto``'s measured table, where it measured), then, per rank, one row per iteration (time, compute, communication busy time, exposed
 communication, overlap, efficiency against the floor where the run directory holds one,
 bytes, bus bandwidth, the NVLink bytes the iteration's collectives put on the links beside
 what they should, NVLink GB/s), a summary, and the outlier iterations with their likely
@@ -17,6 +18,7 @@ from typing import List, Optional, Tuple
 
 from ..floor import load_floor
 from .analysis import DEFINITIONS, analyze
+from .decomposition import decomposition_section, format_decomposition
 from .errors import TelemetryError
 from .store import RunData, load_run
 
@@ -59,6 +61,7 @@ def report_from_run(run: RunData, iterations=None, ranks=None) -> dict:
         r["link_tx_bytes"] = {str(k): v for k, v in r["link_tx_bytes"].items()}
     result["runs"] = [{k: v for k, v in r.items() if k != "config_json"} | {
         "config": _json_or_text(r.get("config_json"))} for r in result["runs"]]
+    result.update(decomposition_section(run, ranks))
     return result
 
 
@@ -83,6 +86,8 @@ def format_text(report: dict) -> str:
             f", nccl {r['nccl_version'] or '-'}, driver {r['driver_version'] or '-'}, "
             f"GPU {r['gpu_name'] or '-'}; NVML: {r['nvml_status']}"
             + (f" ({r['nvml_detail']})" if r.get("nvml_detail") else ""))
+    if "decomposition" in report:
+        lines += format_decomposition(report)
     header = (f"{'iter':>6} {'iter ms':>9} {'compute':>9} {'comm busy':>9} {'exposed':>9} "
               f"{'overlap%':>9} {'eff%':>6} {'idle ms':>9} {'gap ms':>9} {'MB':>9} "
               f"{'busbw':>9} {'NVL MB':>9} {'exp MB':>9} {'NVL/exp':>7} {'NVL tx':>9} "

@@ -15,6 +15,10 @@ iteration_links    (left empty, see iterations)
 app_steps          application iteration markers (``commsched.step()``)
 tuning             the autotuner's decisions (``Scheduler.tuning_log``); created by the
                    first one, so absent from runs without ``COMMSCHED_AUTOTUNE=1``
+topology           one row: nodes x ranks per node, the rank's node and local rank, and
+                   where the node size came from (``topology.node_layout``)
+auto_choices       ``decompose=auto``'s measured table per lane: per calibrated size the
+                   time of each candidate and the one chosen (present where auto measured)
 =================  ==========================================================================
 
 Each rank writes its own file (``rank{r}.sqlite``) so that processes never contend for
@@ -94,6 +98,11 @@ OPTIONAL_TABLES: Dict[str, str] = {
         candidate_partition_bytes INTEGER, candidate_credit_bytes INTEGER,
         candidate_decompose TEXT, predicted_ms REAL, predicted_old_ms REAL, baseline_ms REAL,
         trial_ms REAL, kept INTEGER""",
+    "topology": """rank INTEGER PRIMARY KEY, world_size INTEGER, nodes INTEGER,
+        local_size INTEGER, node INTEGER, local_rank INTEGER, local_size_from TEXT""",
+    "auto_choices": """rank INTEGER, lane TEXT, dtype TEXT, nodes INTEGER, local_size INTEGER,
+        margin REAL, bytes INTEGER, none_us REAL, hier_us REAL, leader_us REAL,
+        chosen TEXT""",
 }
 
 INDEXES = (
@@ -233,7 +242,8 @@ _ORDER = {
     "runs": "rank", "intra_node_topo": "link", "nvlink_metrics": "t_ns, link",
     "nvlink_health": "t_ns, link", "comm_ops": "t_end_ns, t_start_ns",
     "iterations": "lane, iteration", "iteration_links": "lane, iteration, link, direction",
-    "app_steps": "step", "tuning": "lane, decided_at",
+    "app_steps": "step", "tuning": "lane, decided_at", "topology": "rank",
+    "auto_choices": "lane, bytes",
 }
 
 

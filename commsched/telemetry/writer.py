@@ -5,7 +5,8 @@ queue. Each message that wakes the writer takes the GIL, during backward from au
 thread; so only the messages that may complete or end an iteration wake it: iteration
 records and chunk records from a completion thread (where the application marks its
 iterations with ``step()``, only its step markers), flush and close. The others (the
-sampler's NVLink samples, link health and NVML status; tuning decisions; chunk records
+sampler's NVLink samples, link health and NVML status; tuning decisions and auto's
+choices; chunk records
 the training thread hands over before its iteration record; chunk and iteration records
 of an application that marks steps) wait in a deque for the next wake-up, at most
 ``DEFER_S`` (the recorder decides, see ``Recorder.on_chunks``). The writer batches rows
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ..errors import UnsupportedError
-from ..observer import ChunkRecord, IterationRecord
+from ..observer import AutoChoice, ChunkRecord, IterationRecord
 from ..threads import start_thread
 from .assembly import IterationAssembler
 from .device_clock import DeviceClock
@@ -326,6 +327,13 @@ class StoreWriter:
         if isinstance(msg, NvmlStatus):
             self._nvml_status(msg)
             return True
+        if isinstance(msg, AutoChoice):
+            self._create("auto_choices")
+            self._execute("auto_choices", [
+                (self.rank, msg.lane, msg.dtype, msg.nodes, msg.local_size, msg.margin,
+                 row["bytes"], row.get("none_us"), row.get("hier_us"), row.get("leader_us"),
+                 row["chosen"]) for row in msg.rows])
+            return True
         if isinstance(msg, TuningDecision):
             self._create("tuning")
             entry = dict(msg.entry, rank=self.rank)
@@ -394,4 +402,4 @@ class StoreWriter:
 
 
 # The messages that wait for the writer's next wake-up (see the module docstring).
-_DEFERRED = frozenset((CounterSample, HealthSample, NvmlStatus, TuningDecision))
+_DEFERRED = frozenset((CounterSample, HealthSample, NvmlStatus, TuningDecision, AutoChoice))

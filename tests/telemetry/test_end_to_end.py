@@ -57,7 +57,7 @@ def run_dirs(tmp_path_factory):
 @pytest.mark.parametrize("decompose", list(RUNS))
 def test_every_chunk_step_and_iteration_is_stored(run_dirs, decompose):
     run = load_run(run_dirs[decompose])
-    assert set(run.tables) == TABLES
+    assert set(run.tables) == TABLES | {"topology"}
     assert run.ranks == [0, 1]
     for rank in (0, 1):
         assert run.rows("runs", rank)[0]["nvml_status"] == "no_gpu"
@@ -86,3 +86,23 @@ def test_report_and_trace_work_on_a_real_run(run_dirs, tmp_path, capsys):
     slices_nest_per_thread(trace["traceEvents"])
     comm = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "comm"]
     assert len(comm) == len(load_run(run_dir).comm_ops)
+
+
+@pytest.mark.parametrize("decompose", list(RUNS))
+def test_report_names_the_topology_and_the_decomposition_in_effect(run_dirs, decompose,
+                                                                  capsys):
+    run = load_run(run_dirs[decompose])
+    assert report_main([run_dirs[decompose], "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # the workers get no LOCAL_WORLD_SIZE: both ranks on one node
+    assert (report["topology"]["nodes"], report["topology"]["local_ranks"]) == (1, 2)
+    decomposition = report["decomposition"]
+    assert decomposition["configured"] == decompose and decomposition["auto"] == {}
+    # every all-reduce ran with the configured decomposition: per lane, rank 0's requests
+    # and chunks as its iteration records count them
+    its = run.rows("iterations", 0)
+    assert decomposition["in_effect"] == {lane: {decompose: {
+        "requests": sum(i["requests"] for i in its if i["lane"] == lane),
+        "chunks": sum(i["chunks"] for i in its if i["lane"] == lane),
+        "bytes": sum(i["nbytes"] for i in its if i["lane"] == lane)}}
+        for lane in {i["lane"] for i in its}}
