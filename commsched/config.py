@@ -148,13 +148,16 @@ class Config:
 
     decompose: Decompose = field(default="none", metadata=_env("COMMSCHED_DECOMPOSE",
                                                                SCHEDULER))
-    """How an all-reduce runs: none, rs_ag, hier, leader, or auto (per chunk size the
-    fastest of none/hier/leader).
+    """How an all-reduce runs: none, rs_ag, hier, leader, or auto (per chunk size none,
+    unless hier or leader measured more than 20% faster).
 
     rs_ag: reduce-scatter then all-gather. hier: intra-node reduce-scatter, inter-node
     all-reduce of each shard, intra-node all-gather. leader: reduce to a node leader,
     all-reduce among leaders, broadcast. auto is timed once at the first request, and is
-    none on one node."""
+    none on one node; at each size the first of none, hier, leader that no other beat by
+    more than 20% of its time wins (``calibrate.AUTO_MARGIN``), so that noise between
+    launches does not flip the choice. Rank 0 says the choice in one line; ``commsched
+    report`` shows the measured times."""
 
     local_size: int = field(default=0, metadata=_env(None, SCHEDULER, maximum=1 << 20))
     """Ranks per node for hier, leader and auto; 0: torchrun's LOCAL_WORLD_SIZE (one node

@@ -37,8 +37,9 @@ always), and runs each variant over every message size from ``--min-bytes`` to
   rs_ag    commsched: reduce_scatter + all_gather
   hier     commsched: intra-node reduce_scatter, inter-node all_reduce, intra-node all_gather
   leader   commsched: reduce to the node leader, all_reduce among leaders, broadcast
-  auto     commsched: per size the fastest of none/hier/leader, as timed once when the
-           lane starts (commsched/calibrate.py); the summary names the one it ran
+  auto     commsched: per size none, unless hier or leader timed more than 20% faster,
+           once when the lane starts (commsched/calibrate.py); the summary names the
+           one it ran
 
 A commsched variant runs ``Config.from_env()`` with ``enabled=True, decompose=<variant>,
 partition_bytes=0`` (one chunk per message), ``credit_bytes=0``, ``policy="fifo"`` (one
