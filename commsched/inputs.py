@@ -91,8 +91,8 @@ def require_group(group, where: str) -> None:
 
 
 def data_parallel_conflicts(config: Config) -> List[str]:
-    """The combinations of ``config`` that ``commsched.wrap`` refuses, one line each naming
-    the variables."""
+    """The combinations of ``config`` that ``commsched.wrap`` refuses (its engine checks them
+    again with the arguments it is given), one line each naming the variables."""
     out = []
     if config.decompose in ("hier", "leader"):
         out.append(f"COMMSCHED_DECOMPOSE={config.decompose} is not available in the "

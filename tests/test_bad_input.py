@@ -77,7 +77,7 @@ def test_wrap_refuses_what_env_refuses_and_warns_what_env_warns(world1, monkeypa
     assert cli.main(["env"]) == 2
     assert ("commsched env: error: COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16 needs "
             "COMMSCHED_DECOMPOSE=none") in capsys.readouterr().err
-    with pytest.raises(commsched.ConfigError, match="COMMSCHED_GRAD_REDUCE_DTYPE=bfloat16"):
+    with pytest.raises(commsched.ConfigError, match="COMMSCHED_GRAD_REDUCE_DTYPE"):
         wrap(net, opt)
     monkeypatch.delenv("COMMSCHED_DECOMPOSE")
     monkeypatch.delenv("COMMSCHED_GRAD_REDUCE_DTYPE")

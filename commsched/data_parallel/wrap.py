@@ -24,9 +24,8 @@ import torch
 
 from commsched.config import Config, ConfigError
 from commsched.errors import UnsupportedError
-from commsched.inputs import (data_parallel_conflicts, require_config, require_group,
-                              require_instance, require_module, require_optimizer,
-                              warn_ineffective)
+from commsched.inputs import (require_config, require_group, require_instance,
+                              require_module, require_optimizer, warn_ineffective)
 from commsched.scheduler import Scheduler
 
 from .engine import DataParallelEngine
@@ -201,9 +200,6 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                     or not isinstance(group_bytes, int) or group_bytes < 0):
         raise ConfigError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
                           "(bytes of gradients per layer group; 0: one group per module)")
-    conflicts = data_parallel_conflicts(config)
-    if conflicts:
-        raise ConfigError(f"commsched.wrap: {conflicts[0]}")
     warn_ineffective(config, "commsched.wrap")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
                   broadcast_buffers=broadcast_buffers, scheduler=scheduler, observer=observer)
