@@ -125,7 +125,7 @@ class Config:
     0 or inf: whole requests.
 
     A remainder under 1/8 of it rides with the last chunk. Every chunk is one more
-    collective to issue. The data-parallel mode cuts its layer groups' all-reduces unless a
+    collective to issue: a size under 64KiB from the environment gets a warning. The data-parallel mode cuts its layer groups' all-reduces unless a
     window of whole groups applies (``groups_in_flight``); rs_ag never cuts its
     reduce-scatters and all-gathers."""
 

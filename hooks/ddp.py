@@ -62,6 +62,7 @@ class CommschedState:
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
+        config = require_config(config, "commsched.hooks.CommschedState")
         config = config if config is not None else Config.from_env()
         warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None

@@ -152,6 +152,18 @@ def test_register_refuses_a_model_whose_process_group_was_destroyed(world1):
     assert registered_state(ddp) is None
 
 
+def test_a_group_destroyed_after_register_is_named_at_the_first_backward(world1):
+    group = dist.new_group([0])
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    state = commsched.hooks.register(ddp)
+    dist.destroy_process_group(group)
+    try:
+        with pytest.raises(commsched.CommschedError, match="cannot be used .destroyed"):
+            ddp(torch.randn(3, 4)).sum().backward()
+    finally:
+        state.close()
+
+
 # --- settings ------------------------------------------------------------------------------
 
 def test_a_tiny_partition_size_from_the_environment_gets_one_warning():
