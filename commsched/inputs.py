@@ -17,7 +17,7 @@ from .config import Config, ConfigError
 from .errors import CommschedWarning, UnavailableError, UnsupportedError
 
 __all__ = ["IneffectiveSettingWarning", "require_config", "require_instance", "require_module",
-           "require_optimizer", "require_group", "data_parallel_conflicts",
+           "require_optimizer", "require_group", "require_observer", "data_parallel_conflicts",
            "ineffective_settings", "warn_ineffective"]
 
 
@@ -68,6 +68,22 @@ def require_optimizer(optimizer, model, where: str) -> None:
             f"{where}: optimizer holds {foreign} parameter(s) that are not the model's: "
             f"build it on this model's parameters (optimizer(model.parameters())), or the "
             f"model would never be updated")
+
+
+def require_observer(observer, where: str) -> None:
+    """``observer`` (None: none) must be a lane ``Extension`` or have ``on_chunks`` and
+    ``on_iteration`` (``commsched.observer.as_extension``): checked here, since the first
+    call comes from a completion thread, far from the cause."""
+    from .observer import Extension
+
+    if observer is None or isinstance(observer, Extension):
+        return
+    missing = [name for name in ("on_chunks", "on_iteration")
+               if not callable(getattr(observer, name, None))]
+    if missing:
+        raise UnsupportedError(f"{where}: observer={_kind(observer)}: expected an object with "
+                               f"on_chunks and on_iteration (a telemetry recorder, an "
+                               f"Observer); it has no {' or '.join(missing)}")
 
 
 def require_group(group, where: str) -> None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
 from commsched.config import Config, ConfigError, warn_data_parallel_only
 from commsched.errors import CommschedError
-from commsched.inputs import require_config, require_group, require_instance
+from commsched.inputs import require_config, require_group, require_instance, require_observer
 from commsched.scheduler import Scheduler
 
 __all__ = ["CommschedState", "commsched_hook", "register", "registered_state", "other_hook",
@@ -211,6 +211,7 @@ def _check_arguments(ddp_model, config, state_kwargs) -> None:
         raise ConfigError(f"{where}: unexpected argument(s) {', '.join(unknown)} (it takes "
                           f"config, group, scheduler, observer)")
     require_instance(state_kwargs.get("scheduler"), Scheduler, "scheduler", where)
+    require_observer(state_kwargs.get("observer"), where)
     group = state_kwargs.get("group")
     require_group(group if group is not None else getattr(ddp_model, "process_group", None),
                   where)

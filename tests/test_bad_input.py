@@ -110,7 +110,7 @@ def test_wrap_and_drain_answer_every_wrong_kind_with_a_commsched_error(world1, b
     calls = [lambda: wrap(bad, opt), lambda: wrap(net, bad), lambda: drain(bad)]
     if bad is not None:
         calls += [lambda: wrap(net, opt, bad), lambda: wrap(net, opt, scheduler=bad),
-                  lambda: wrap(net, opt, group=bad)]
+                  lambda: wrap(net, opt, group=bad), lambda: wrap(net, opt, observer=bad)]
     if bad is not None and not isinstance(bad, int):
         calls.append(lambda: wrap(net, opt, group_bytes=bad))
     for call in calls:
@@ -136,7 +136,8 @@ def test_register_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
     if bad is not None:
         calls += [lambda: commsched.hooks.register(ddp, bad),
                   lambda: commsched.hooks.register(ddp, scheduler=bad),
-                  lambda: commsched.hooks.register(ddp, group=bad)]
+                  lambda: commsched.hooks.register(ddp, group=bad),
+                  lambda: commsched.hooks.register(ddp, observer=bad)]
     for call in calls:
         with pytest.raises(commsched.CommschedError):
             call()

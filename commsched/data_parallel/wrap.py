@@ -25,7 +25,8 @@ import torch
 from commsched.config import Config, ConfigError
 from commsched.errors import UnsupportedError
 from commsched.inputs import (require_config, require_group, require_instance,
-                              require_module, require_optimizer, warn_ineffective)
+                              require_module, require_observer, require_optimizer,
+                              warn_ineffective)
 from commsched.scheduler import Scheduler
 
 from .engine import DataParallelEngine
@@ -191,6 +192,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     config = config if config is not None else Config.from_env()
     require_group(group, "commsched.wrap")
     require_instance(scheduler, Scheduler, "scheduler", "commsched.wrap")
+    require_observer(observer, "commsched.wrap")
     if config.decompose in ("hier", "leader"):
         raise ConfigError(
             f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
