@@ -9,8 +9,10 @@ end on another thread (iterations).
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
+from ..errors import CommschedWarning
 from ..observer import Extension
 
 __all__ = ["nvtx_range_push", "nvtx_range_pop", "range_start", "range_end", "mark", "backend",
@@ -64,10 +66,6 @@ def warn_if_unavailable() -> None:
     """One warning where ``COMMSCHED_NVTX=1`` can record nothing: no CUDA and no ``nvtx``
     package."""
     if backend() == "none":
-        import warnings
-
-        from ..errors import CommschedWarning
-
         warnings.warn("COMMSCHED_NVTX=1 has no effect here: NVTX ranges need CUDA "
                       "(torch.cuda.nvtx) or the nvtx package (pip install nvtx)",
                       CommschedWarning, stacklevel=3)
