@@ -55,6 +55,26 @@ def test_wrap_refuses_a_model_that_a_live_wrap_still_owns(world1):
     again.close()
 
 
+def test_a_refused_second_wrap_leaves_the_first_training_as_plain_sgd(world1):
+    net, reference = _mlp(), _mlp()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    try:
+        with pytest.raises(commsched.CommschedError):
+            wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        for step in range(4):       # one rank: the average is the rank's own gradient
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (reference, ref_opt)):
+                m(x).square().sum().backward()
+                o.step()
+                o.zero_grad()
+        drain(model)
+        for ours, theirs in zip(net.parameters(), reference.parameters()):
+            assert torch.equal(ours, theirs)
+    finally:
+        model.close()
+
+
 def test_wrap_refuses_an_optimizer_over_another_models_parameters(world1):
     net = _mlp()
     with pytest.raises(commsched.CommschedError,
