@@ -46,7 +46,7 @@ def require_instance(value, kind: type, name: str, where: str) -> None:
 
 
 def require_module(model, where: str) -> None:
-    """``model`` must be a ``torch.nn.Module`` with parameters."""
+    """``model`` must be a ``torch.nn.Module``."""
     import torch
 
     if not isinstance(model, torch.nn.Module):

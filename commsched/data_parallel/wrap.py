@@ -163,7 +163,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Replaces ``DistributedDataParallel(model)`` in an unchanged training loop. Collective
     over ``group`` (default: the world): every rank must call it, with the same model
-    structure. Parameters and buffers are broadcast from the group's rank 0.
+    structure. Parameters and buffers are broadcast from the group's rank 0. ``model`` (and
+    every module in it) must not be under another ``wrap`` still alive, and ``optimizer``
+    must hold the model's parameters only.
 
     ``config`` defaults to ``Config.from_env()``; ``config.decompose == "rs_ag"`` selects
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
