@@ -52,8 +52,9 @@ def build_scheduler(config: Config, device=None, *, adapter: Optional[str] = Non
 
         extensions.append(Tuner)
     if config.nvtx:
-        from .telemetry.nvtx_ranges import NvtxRanges
+        from .telemetry.nvtx_ranges import NvtxRanges, warn_if_unavailable
 
+        warn_if_unavailable()
         extensions.append(NvtxRanges)
     scheduler = Scheduler(config, observer, trace_dispatch, extensions=extensions,
                           feeds_forward=feeds_forward)

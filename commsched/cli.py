@@ -61,11 +61,25 @@ def env_main(argv: List[str]) -> int:
                 value = os.environ.get(var, f"(default {shown_value(f, f.default)})")
                 print(f"{var:<{width}} {value:<17} {ENV_VARS[var]}")
     try:
-        Config.from_env()
+        config = Config.from_env()
     except ConfigError as exc:
         print(f"commsched env: error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return _combinations(config)
+
+
+def _combinations(config) -> int:
+    """The rules that tie settings together, as the data-parallel mode applies them: a
+    combination it refuses is an error here too (exit 2), one it would not apply a
+    warning line."""
+    from .inputs import data_parallel_conflicts, ineffective_settings
+
+    for line in ineffective_settings(config):
+        print(f"commsched env: warning: {line}", file=sys.stderr)
+    conflicts = data_parallel_conflicts(config)
+    for line in conflicts:
+        print(f"commsched env: error: {line}", file=sys.stderr)
+    return 2 if conflicts else 0
 
 
 def _usage() -> str:

@@ -125,7 +125,7 @@ class Config:
     0 or inf: whole requests.
 
     A remainder under 1/8 of it rides with the last chunk. Every chunk is one more
-    collective to issue. The data-parallel mode cuts its layer groups' all-reduces unless a
+    collective to issue: a size under 64KiB from the environment gets a warning. The data-parallel mode cuts its layer groups' all-reduces unless a
     window of whole groups applies (``groups_in_flight``); rs_ag never cuts its
     reduce-scatters and all-gathers."""
 
@@ -346,6 +346,7 @@ class Config:
             if raw is None:
                 continue
             values[f.name] = _parse_field(f, var, raw)
+        _warn_small_partition(values.get("partition_bytes", 0))
         return cls(**values)
 
     @classmethod
@@ -379,6 +380,19 @@ def warn_data_parallel_only(config: "Config", adapter: str, stacklevel: int = 2)
             f"{'is' if len(names) == 1 else 'are'} read by the data-parallel mode "
             "(commsched.wrap) only and ignored here", CommschedWarning,
             stacklevel=stacklevel + 1)
+
+
+# Below this a chunk's collective costs more host time (tens of µs each) than its transfer
+# lasts on any link worth scheduling: a partition size under it slows every iteration.
+SMALL_PARTITION = 64 << 10
+
+
+def _warn_small_partition(value: int) -> None:
+    if 0 < value < SMALL_PARTITION:
+        warnings.warn(f"COMMSCHED_PARTITION_BYTES={value}: chunks under 64KiB each cost a "
+                      f"collective's host time for little data, and make a step many times "
+                      f"slower; use 1MiB or more (0: whole requests)", CommschedWarning,
+                      stacklevel=3)
 
 
 def _parse_field(f: dataclasses.Field, var: str, raw: str):

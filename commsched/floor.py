@@ -29,6 +29,7 @@ last write; files it appends to, three runs' worth).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -122,16 +123,48 @@ def load_floor(run_dir: str) -> Tuple[Optional[Dict[str, object]], str]:
         try:
             with open(path) as f:
                 doc = json.load(f)
-            compute, comm = float(doc["compute_only_ms"]), float(doc["comm_only_ms"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:
             return None, f"{path} not used: {type(exc).__name__}: {exc}"
-        if doc.get("schema") != SCHEMA or compute <= 0 or comm < 0:
-            return None, f"{path} not used: not a {SCHEMA} result"
+        problem = _floor_problem(doc)
+        if problem:
+            return None, f"{path} not used: {problem}"
+        compute, comm = float(doc["compute_only_ms"]), float(doc["comm_only_ms"])
         doc.update(floor_efficiency(compute, comm))
         doc.pop("efficiency", None)
         return doc, f"{path} ({doc.get('source', 'unknown source')})"
     return None, "no floor.json (commsched floor --save RUN_DIR, or the harness's " \
                  "--telemetry-root, writes one)"
+
+
+def _floor_problem(doc) -> Optional[str]:
+    """Why ``doc`` is not a usable floor result (None where it is): a JSON object of this
+    schema whose compute time is a finite number > 0 and comm time a finite number >= 0."""
+    if not isinstance(doc, dict):
+        return f"holds a JSON {type(doc).__name__}, not a {SCHEMA} object"
+    if doc.get("schema") != SCHEMA:
+        return f"schema {doc.get('schema')!r}, not {SCHEMA}"
+    for key, low in (("compute_only_ms", "> 0"), ("comm_only_ms", ">= 0")):
+        value = doc.get(key)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0")):
+            return f"{key}={value!r}: expected a finite number {low} (ms)"
+    return None
+
+
+def check_save_dir(run_dir: str) -> None:
+    """Refuse, before any launch, a ``--save`` directory that could not be written: one
+    that is a file, or whose nearest existing ancestor is not a writable directory."""
+    path = os.path.abspath(run_dir)
+    target = os.path.join(path, FLOOR_FILE)
+    if os.path.isdir(target):
+        raise ConfigError(f"--save {run_dir!r}: {target} is a directory")
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"--save {run_dir!r}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--save {run_dir!r}: {probe} is not writable")
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -302,6 +335,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not launch:
             raise ConfigError("no torchrun command line (e.g. --nproc-per-node 2 train.py)")
         options, target = _torchrun_parts(launch)
+        if own["save"]:
+            check_save_dir(str(own["save"]))
     except ValueError as exc:
         print(f"{PROG}: error: {exc}\n{USAGE}", file=sys.stderr)
         return 2
@@ -310,15 +345,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RuntimeError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    save_error = None
     if own["save"]:
-        result["saved_to"] = save_floor(str(own["save"]), result)
+        try:
+            result["saved_to"] = save_floor(str(own["save"]), result)
+        except OSError as exc:      # (the measurement is printed all the same)
+            save_error = f"--save {own['save']!r}: not saved: {exc}"
     if own["json"]:
         json.dump(result, sys.stdout, indent=1, default=str)
         sys.stdout.write("\n")
     else:
         print(format_result(result))
-        if own["save"]:
+        if result.get("saved_to"):
             print(f"saved to {result['saved_to']} (commsched report reads it)")
+    if save_error:
+        print(f"{PROG}: error: {save_error}", file=sys.stderr)
+        return 1
     return 0
 
 

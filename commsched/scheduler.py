@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .collectives import parts_for, steps_for
 from .config import DECOMPOSITIONS, Config, ConfigError
-from .errors import SchedulerError
+from .errors import SchedulerError, UnavailableError
 from .lane import Lane
 from .observer import IterationRecord
 from .partition import Chunk, partition
@@ -467,6 +467,7 @@ class Scheduler:
                     # Before the first collective on this group: everything that decides the
                     # collective sequence must be the same on every rank.
                     config = self._fifo.get(group, self.config)
+                    _check_group(group)
                     check_agreement({
                         "partition_bytes": config.partition_bytes,
                         "credit_bytes": config.credit_bytes, "policy": config.policy,
@@ -485,6 +486,16 @@ class Scheduler:
                                 config.timeout_s or _group_timeout(group, device))
                     self._lanes[group] = lane
         return lane
+
+
+def _check_group(group) -> None:
+    """A group destroyed since the adapter took it is named, not a ValueError from
+    torch.distributed at the first collective."""
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError) as exc:
+        raise UnavailableError(f"commsched scheduler: process group {group!r} cannot be used "
+                               f"(destroyed, or not of this process): {exc}") from None
 
 
 def _whole_request(lane: Lane, tensor: torch.Tensor, key: Hashable, priority: int, op: str,

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
-from commsched.config import Config, warn_data_parallel_only
+from commsched.config import Config, ConfigError, warn_data_parallel_only
 from commsched.errors import CommschedError
+from commsched.inputs import require_config, require_group, require_instance, require_observer
 from commsched.scheduler import Scheduler
 
 __all__ = ["CommschedState", "commsched_hook", "register", "registered_state", "other_hook",
@@ -61,6 +62,7 @@ class CommschedState:
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
+        config = require_config(config, "commsched.hooks.CommschedState")
         config = config if config is not None else Config.from_env()
         warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None
@@ -177,6 +179,7 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
             f"commsched.hooks.register: expected a torch.nn.parallel.DistributedDataParallel, "
             f"got {type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap the model "
             f"first: commsched.hooks.register(DistributedDataParallel(model))")
+    _check_arguments(ddp_model, config, state_kwargs)
     existing = registered_state(ddp_model)
     if existing is not None:
         if not state_kwargs and (
@@ -196,6 +199,22 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel,
     state = CommschedState(ddp_model, config, **state_kwargs)
     ddp_model.register_comm_hook(state, commsched_hook)
     return state
+
+
+def _check_arguments(ddp_model, config, state_kwargs) -> None:
+    """``register``'s arguments, before anything is registered: a config that is not a
+    Config, an argument ``CommschedState`` does not take, a process group that is gone."""
+    where = "commsched.hooks.register"
+    require_config(config, where)
+    unknown = sorted(set(state_kwargs) - {"group", "scheduler", "observer"})
+    if unknown:
+        raise ConfigError(f"{where}: unexpected argument(s) {', '.join(unknown)} (it takes "
+                          f"config, group, scheduler, observer)")
+    require_instance(state_kwargs.get("scheduler"), Scheduler, "scheduler", where)
+    require_observer(state_kwargs.get("observer"), where)
+    group = state_kwargs.get("group")
+    require_group(group if group is not None else getattr(ddp_model, "process_group", None),
+                  where)
 
 
 def registered_state(ddp_model) -> Optional[CommschedState]:

@@ -50,8 +50,8 @@ def launches(tmp_path_factory):
     off = _launch(tmp_path_factory.mktemp("off"), {"COMMSCHED_TELEMETRY_DIR": "runs/b"},
                   "torchrun", "--lr", "0.1")
     on = _launch(tmp_path_factory.mktemp("on"), {
-        "COMMSCHED": "1", "COMMSCHED_PARTITION_BYTES": "1KiB",
-        "COMMSCHED_CREDIT_BYTES": "4KiB"}, "legacy")
+        "COMMSCHED": "1", "COMMSCHED_PARTITION_BYTES": "64KiB",
+        "COMMSCHED_CREDIT_BYTES": "256KiB"}, "legacy")
     return off, on
 
 
@@ -154,7 +154,7 @@ def test_rank_0_says_once_that_commsched_is_on_and_with_what(launches):
     off, on = launches
     assert [l for l in on.stderr.splitlines() if l.startswith("commsched: ")] == [
         f"commsched: on (version {commsched.__version__}): the DDP hook on {MODEL}; "
-        f"settings: COMMSCHED_PARTITION_BYTES=1KiB, COMMSCHED_CREDIT_BYTES=4KiB",
+        f"settings: COMMSCHED_PARTITION_BYTES=64KiB, COMMSCHED_CREDIT_BYTES=256KiB",
         f"commsched: {MODEL}: the script's allreduce_hook averages over the model's process "
         f"group, as commsched's hook does, which takes its place",
         f"commsched: the DDP hook also on {MODEL}",

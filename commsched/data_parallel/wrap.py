@@ -24,6 +24,10 @@ import torch
 
 from commsched.config import Config, ConfigError
 from commsched.errors import UnsupportedError
+from commsched.inputs import (require_config, require_group, require_instance,
+                              require_module, require_observer, require_optimizer,
+                              warn_ineffective)
+from commsched.scheduler import Scheduler
 
 from .engine import DataParallelEngine
 
@@ -159,7 +163,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Replaces ``DistributedDataParallel(model)`` in an unchanged training loop. Collective
     over ``group`` (default: the world): every rank must call it, with the same model
-    structure. Parameters and buffers are broadcast from the group's rank 0.
+    structure. Parameters and buffers are broadcast from the group's rank 0. ``model`` (and
+    every module in it) must not be under another ``wrap`` still alive, and ``optimizer``
+    must hold the model's parameters only.
 
     ``config`` defaults to ``Config.from_env()``; ``config.decompose == "rs_ag"`` selects
     the ZeRO-1 variant (reduce-scatter, sharded optimizer state, all-gather of parameters
@@ -176,12 +182,19 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         model, optimizer = commsched.wrap(model, torch.optim.AdamW(model.parameters()))
         model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()
     """
+    require_module(model, "commsched.wrap")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise UnsupportedError("commsched.wrap: pass the plain model, not a "
                                "DistributedDataParallel")
     if isinstance(model, DataParallelModel) or isinstance(optimizer, DataParallelOptimizer):
         raise UnsupportedError("commsched.wrap: model or optimizer is already wrapped")
+    _refuse_owned(model)
+    require_optimizer(optimizer, model, "commsched.wrap")
+    config = require_config(config, "commsched.wrap")
     config = config if config is not None else Config.from_env()
+    require_group(group, "commsched.wrap")
+    require_instance(scheduler, Scheduler, "scheduler", "commsched.wrap")
+    require_observer(observer, "commsched.wrap")
     if config.decompose in ("hier", "leader"):
         raise ConfigError(
             f"commsched.wrap: decompose={config.decompose!r} (COMMSCHED_DECOMPOSE) is not "
@@ -191,6 +204,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                     or not isinstance(group_bytes, int) or group_bytes < 0):
         raise ConfigError(f"commsched.wrap: group_bytes={group_bytes!r}: expected an int >= 0 "
                           "(bytes of gradients per layer group; 0: one group per module)")
+    warn_ineffective(config, "commsched.wrap")
     kwargs = dict(group_bytes=group_bytes, reads_grads=reads_grads,
                   broadcast_buffers=broadcast_buffers, scheduler=scheduler, observer=observer)
     if config.decompose == "rs_ag":
@@ -207,7 +221,28 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         lambda module, *args: engine.drain()))
     wrapped_optimizer = DataParallelOptimizer(optimizer, engine)
     _release_when_dropped(engine, wrapped, wrapped_optimizer)
+    owner = weakref.ref(engine)
+    for module in model.modules():
+        _OWNED[module] = owner
     return wrapped, wrapped_optimizer
+
+
+# Every module under a live wrap, and its engine: a second wrap of one of them would install
+# a second set of hooks beside the first's, and the two engines' collectives would pair
+# differently on different ranks.
+_OWNED: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _refuse_owned(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        owner = _OWNED.get(module)
+        engine = owner() if owner is not None else None
+        if engine is not None and not engine.closed:
+            what = "the model" if module is model else f"its submodule {type(module).__name__}"
+            raise UnsupportedError(
+                f"commsched.wrap: {what} is already under an earlier commsched.wrap that is "
+                f"still alive: train through the model that wrap returned, or call its "
+                f"close() (or drop it and its optimizer) before wrapping again")
 
 
 class _Owners:

@@ -149,7 +149,7 @@ def recorded_run_from_data(data: RunData, lane: Optional[str] = None,
         raise SimError(f"{data.run_dir}: no lane {lane!r} (lanes: {', '.join(sorted(lanes))})")
     rows = [r for r in rows if r["lane"] == lane]
     world = Counter(int(r["group_size"] or 1) for r in rows).most_common(1)[0][0]
-    notes = []
+    notes = data.notes()        # (the stores skipped, as report and trace name them)
     if len(lanes) > 1:
         notes.append(f"lanes {', '.join(sorted(lanes))}: replaying the busiest, {lane}")
     config = _config(data, notes)

@@ -9,11 +9,14 @@ end on another thread (iterations).
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable, Optional
 
+from ..errors import CommschedWarning
 from ..observer import Extension
 
 __all__ = ["nvtx_range_push", "nvtx_range_pop", "range_start", "range_end", "mark", "backend",
+           "warn_if_unavailable",
            "NvtxRanges"]
 
 _lock = threading.Lock()
@@ -57,6 +60,15 @@ def backend() -> str:
     """Which NVTX implementation is in use: torch.cuda.nvtx, nvtx or none."""
     _get("push")
     return _impl["name"]
+
+
+def warn_if_unavailable() -> None:
+    """One warning where ``COMMSCHED_NVTX=1`` can record nothing: no CUDA and no ``nvtx``
+    package."""
+    if backend() == "none":
+        warnings.warn("COMMSCHED_NVTX=1 has no effect here: NVTX ranges need CUDA "
+                      "(torch.cuda.nvtx) or the nvtx package (pip install nvtx)",
+                      CommschedWarning, stacklevel=3)
 
 
 def nvtx_range_push(name: str) -> None:

@@ -314,6 +314,7 @@ def open_recorder(config, *, rank: int, world_size: int, local_rank: int = 0, de
     node = socket.gethostname()
     sampler: Optional[NvlinkSampler] = None
     writer = StoreWriter(conn, rank, node=node, request_sample=lambda: None)
+    writer.max_bytes = int(max_db_bytes or 0)
     try:
         selector, selector_error = _gpu_selector(device), ""
     except Exception as exc:

@@ -282,7 +282,41 @@ def load_run(run_dir: str) -> RunData:
     if not run.files:
         more = len(run.skipped) - 1
         raise TelemetryError(run.skipped[0] + (f" (and {more} more unreadable)" if more else ""))
+    _check_one_launch(run)
     return run
+
+
+def _launch_of(row: dict) -> tuple:
+    """What names the launch that wrote a store: its run directory's name (the same on
+    every rank of a launch, ``launch_run_dir``) and its world size."""
+    try:
+        config = json.loads(row.get("config_json") or "{}")
+    except ValueError:
+        config = {}
+    run_dir = config.get("telemetry_dir") if isinstance(config, dict) else None
+    return (os.path.basename(os.path.normpath(run_dir)) if run_dir else None,
+            row.get("world_size"))
+
+
+def _check_one_launch(run: RunData) -> None:
+    """Refuse a run directory whose stores were written by different launches (copied
+    together by hand): their iterations and clocks do not belong together, and every
+    figure computed across them would be wrong."""
+    launches: Dict[tuple, List[dict]] = {}
+    for row in run.tables.get("runs", []):
+        launches.setdefault(_launch_of(row), []).append(row)
+    if len(launches) <= 1:
+        return
+    t0 = min(r.get("start_ns") or 0 for r in run.tables["runs"])
+    parts = []
+    for (name, world), rows in launches.items():
+        ranks = ", ".join(str(r["rank"]) for r in rows)
+        start = min(r.get("start_ns") or 0 for r in rows)
+        parts.append(f"rank(s) {ranks}: run {name or 'unnamed'}, world size {world}, "
+                     f"started {(start - t0) / 1e9:+.1f} s")
+    raise TelemetryError(f"{run.run_dir}: its rank stores come from {len(launches)} different "
+                         f"launches ({'; '.join(parts)}): a run directory holds one launch's "
+                         f"stores; move the others into a directory of their own")
 
 
 def _read_file(path: str) -> Dict[str, List[dict]]:
@@ -293,6 +327,8 @@ def _read_file(path: str) -> Dict[str, List[dict]]:
     try:
         conn, tmp = _connect_readonly(path)
     except sqlite3.Error as exc:
+        if _shorter_than_a_page(path):
+            raise TelemetryError(f"{path}: {_CUT_SHORT} ({exc})") from None
         raise TelemetryError(f"{path}: cannot open: {exc}") from None
     try:
         _check_schema(conn, path)
@@ -341,13 +377,31 @@ def _connect_readonly(path: str):
     return sqlite3.connect(copy), tmp
 
 
+_CUT_SHORT = ("a telemetry store cut short as it was created (holds no table: the disk "
+              "full, or the process stopped, when the rank opened it); nothing was recorded "
+              "for this rank")
+
+
+def _shorter_than_a_page(path: str) -> bool:
+    """A store whose file ends before its first page: its writer stopped while creating
+    it (a page is at least 512 bytes)."""
+    try:
+        return os.path.getsize(path) < 512
+    except OSError:
+        return False
+
+
 def _check_schema(conn: sqlite3.Connection, path: str) -> None:
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
     except sqlite3.DatabaseError as exc:
         if "no such table" in str(exc):
+            if not conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise TelemetryError(f"{path}: {_CUT_SHORT}") from None
             raise TelemetryError(f"{path}: a SQLite database, but not a commsched telemetry "
                                  f"store (no meta table)") from None
+        if _shorter_than_a_page(path):
+            raise TelemetryError(f"{path}: {_CUT_SHORT} ({exc})") from None
         raise TelemetryError(f"{path}: not a commsched telemetry store ({exc})") from None
     if meta.get("schema") != SCHEMA_NAME:
         raise TelemetryError(f"{path}: not a commsched telemetry store "

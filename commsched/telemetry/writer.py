@@ -117,6 +117,7 @@ class StoreWriter:
         self.on_failure = on_failure
         self.assembler = IterationAssembler(rank)
         self.failed: Optional[str] = None
+        self.max_bytes = 0              # the store's size cap (create_store), 0: none
         self._q: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._later: "collections.deque[object]" = collections.deque()    # (_DEFERRED)
         self._thread: Optional[threading.Thread] = None
@@ -259,6 +260,11 @@ class StoreWriter:
 
     def _fail(self, exc: BaseException) -> None:
         self.failed = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, sqlite3.Error) and self._at_size_cap():
+            # SQLite says "database or disk is full" for both: name the one that it is
+            self.failed = (f"the store reached its size cap, COMMSCHED_TELEMETRY_MAX_BYTES="
+                           f"{self.max_bytes} bytes (the disk is not full); raise or unset it "
+                           f"for longer runs")
         warnings.warn(f"commsched telemetry disabled for rank {self.rank}: writing the store "
                       f"failed ({self.failed}); training continues without telemetry",
                       TelemetryWarning, stacklevel=1)
@@ -271,6 +277,18 @@ class StoreWriter:
         except sqlite3.Error:
             pass
         self._in_tx = False
+
+    def _at_size_cap(self) -> bool:
+        """Whether the store's pages reached ``max_bytes``'s page cap
+        (``create_store``)."""
+        if not self.max_bytes:
+            return False
+        try:
+            pages = self.conn.execute("PRAGMA page_count").fetchone()[0]
+            cap = self.conn.execute("PRAGMA max_page_count").fetchone()[0]
+        except sqlite3.Error:
+            return False
+        return pages >= cap - 4      # (a write needing the last few pages fails too)
 
     def _execute(self, table: str, rows: Sequence[Sequence[object]]) -> None:
         if not rows:

@@ -280,9 +280,10 @@ def run_data_parallel(spec: Spec, rank: int, group=None) -> Trace:
             m.register_forward_pre_hook(lambda m, a: time.sleep(random.random() * 0.002))
         for p in inner.parameters():
             p.register_hook(lambda g: time.sleep(random.random() * 0.002))
+    # (beside a byte window or under rs_ag the group window has no effect, and says so)
+    window = 0 if spec.credit or spec.decompose == "rs_ag" else spec.groups_in_flight
     config = commsched.Config(decompose=spec.decompose, partition_bytes=spec.partition,
-                              credit_bytes=spec.credit,
-                              groups_in_flight=spec.groups_in_flight)
+                              credit_bytes=spec.credit, groups_in_flight=window)
     with warnings.catch_warnings(record=True) as caught, _plans(spec, trace):
         warnings.simplefilter("always")
         model, wopt = wrap(inner, opt, config, group, group_bytes=0,

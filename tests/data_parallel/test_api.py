@@ -15,7 +15,8 @@ def _mlp():
 
 
 def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1):
-    model, opt = wrap(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), group_bytes=0)
+    net = _mlp()
+    model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0)
     try:
         assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, DataParallelOptimizer)
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
@@ -43,7 +44,8 @@ def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
 
 def test_layer_group_size_comes_from_the_config_unless_passed(world1):
     def groups(config=None, **kwargs):
-        model, _ = wrap(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), config, **kwargs)
+        net = _mlp()
+        model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, **kwargs)
         try:
             return len(model._engine.groups)
         finally:
