@@ -105,9 +105,11 @@ def test_floor_on_a_ddp_script_prints_the_table_and_leaves_the_scripts_outputs(t
     assert result["efficiency"] == pytest.approx(result["floor_ms"] / result["hook_ms"])
     # compute only ran no collective, comm only no backward, the hook both
     assert result["collectives"]["compute"] == 0
-    assert result["backwards"] == {"compute": ITERS, "comm": 0, "hook": ITERS}
+    assert result["backwards"] == {"compute": ITERS, "comm": 0, "both": ITERS, "hook": ITERS}
     assert result["collectives"]["comm"] == ITERS * len(result["buckets"])
     assert result["collectives"]["hook"] >= ITERS * len(result["buckets"])
+    # both at once: compute only's backward with comm only's collectives beside it
+    assert result["collectives"]["both"] == ITERS * len(result["buckets"])
     # the buckets DDP rebuilt in the order gradients became ready (0.1 MB cap, reached by
     # the last layer's 257 floats with the middle layer's 65792; then the first's 16640)
     assert result["buckets"] == [{"bytes": 4 * (257 + 65792), "dtype": "float32"},
