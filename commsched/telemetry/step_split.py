@@ -194,30 +194,37 @@ def both_at_once(both: Dict[str, object], compute: Dict[str, object],
     return out
 
 
+def _num(value: float, spec: str = ".1f") -> str:
+    text = format(value, spec)
+    if float(text) == 0:        # no "-0.0"
+        text = text.replace("-", " " if text.startswith(" ") else "", 1)
+    return text
+
+
 def _part(split_: Dict[str, object], key: str, label: str) -> str:
     value = split_.get(key)
-    return f"{label} not measured" if value is None else f"{value:.1f} {label}"
+    return f"{label} not measured" if value is None else f"{_num(value)} {label}"
 
 
 def verdict_line(split_: Dict[str, object]) -> str:
     """One line: the parts of the step above compute only, and what a better order of the
     collectives could win at most (the exposed communication outside the tail)."""
     above = split_.get("above_ms")
-    head = "of the step above compute" if above is None else f"of {above:.1f} ms above compute"
+    head = "of the step above compute" if above is None else f"of {_num(above)} ms above compute"
     exposed, tail = split_.get("exposed_ms"), split_.get("tail_ms")
     if exposed is None:
         first = "exposed communication not measured"
     elif tail is None:
-        first = f"{exposed:.1f} exposed (the tail not measured)"
+        first = f"{_num(exposed)} exposed (the tail not measured)"
     else:
-        first = f"{exposed:.1f} exposed ({tail:.1f} of them the tail)"
+        first = f"{_num(exposed)} exposed ({_num(tail)} of them the tail)"
     parts = [first, _part(split_, "slowed_ms", "compute slowed beside communication"),
              _part(split_, "own_ms", "own device work"), _part(split_, "host_ms", "host"),
              _part(split_, "rest_ms", "rest")]
     if exposed is None or tail is None:
         win = "what a better order can win is not measured"
     else:
-        win = (f"a better order can win at most the {max(0.0, exposed - tail):.1f} ms of "
+        win = (f"a better order can win at most the {_num(max(0.0, exposed - tail))} ms of "
                "exposed communication outside the tail")
     return f"{head}: {', '.join(parts)}; {win}"
 
@@ -234,5 +241,5 @@ def format_split(split_: Dict[str, object], indent: str = "  ") -> List[str]:
             lines.append(f"{indent}{label:<15}{'n/m':>9}   "
                          f"{reasons.get(key) or 'not measured'}")
         else:
-            lines.append(f"{indent}{label:<15}{value:9.2f}   {text}")
+            lines.append(f"{indent}{label:<15}{_num(value, '9.2f')}   {text}")
     return lines
