@@ -172,7 +172,13 @@ class _Window:
 
     def stop_profile(self) -> None:
         window, self.profiled, self.counters.profiled = self.profiled, None, None
-        self.figures = window.stop()
+        try:
+            self.figures = window.stop()
+        except Exception as exc:    # the timing stands without its window
+            traceback.print_exc()
+            self.figures = None
+            window.reason = (f"not measured: the profiled window could not be read "
+                             f"({type(exc).__name__}: {exc})")
         if self.figures is None:
             self.not_measured = window.reason
 

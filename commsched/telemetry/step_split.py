@@ -40,7 +40,7 @@ from .timeline import (busiest_device, covered, device_events, idle_causes, is_c
                        union)
 
 __all__ = ["MARKER", "PARTS", "window_figures", "split", "not_measured", "both_at_once",
-           "verdict_line", "format_split"]
+           "from_telemetry", "verdict_line", "format_split"]
 
 # The marker kernel: torch.cuda._sleep(0), a kernel no training step launches otherwise.
 MARKER = "spin_kernel"
@@ -179,6 +179,25 @@ def split(step: Dict[str, object], compute: Dict[str, object], top: int = 6
     return result
 
 
+TELEMETRY_REASON = ("not measured: telemetry times the collectives, not the compute "
+                    "kernels (commsched floor --save RUN_DIR splits the step)")
+
+
+def from_telemetry(iteration_ms: Optional[float], tail_ms: Optional[float],
+                   compute_only_ms: Optional[float]) -> Dict[str, object]:
+    """The parts a telemetry run's device timestamps give: the tail (communication after
+    the device ended the backward: the report's ``exposed``) and, with a compute-only time
+    (``floor.json``), the step above it; every other part needs the compute kernels'
+    timing, which telemetry does not record."""
+    above = (iteration_ms - compute_only_ms
+             if iteration_ms is not None and compute_only_ms is not None else None)
+    out = not_measured(TELEMETRY_REASON, above)
+    if tail_ms is not None:
+        out["tail_ms"] = tail_ms
+        del out["not_measured"]["tail_ms"]
+    return out
+
+
 def both_at_once(both: Dict[str, object], compute: Dict[str, object],
                  comm: Optional[Dict[str, object]]) -> Dict[str, object]:
     """What compute and communication cost each other: the compute kernels of the
@@ -212,7 +231,9 @@ def verdict_line(split_: Dict[str, object]) -> str:
     above = split_.get("above_ms")
     head = "of the step above compute" if above is None else f"of {_num(above)} ms above compute"
     exposed, tail = split_.get("exposed_ms"), split_.get("tail_ms")
-    if exposed is None:
+    if exposed is None and tail is not None:
+        first = f"{_num(tail)} the tail (the exposed communication before it not measured)"
+    elif exposed is None:
         first = "exposed communication not measured"
     elif tail is None:
         first = f"{_num(exposed)} exposed (the tail not measured)"
