@@ -3,9 +3,9 @@
     commsched floor [--iters N] [--warmup W] [--profile-iters P] [--trace-dir DIR]
         [--save RUN_DIR] [--json] --nproc-per-node 2 train.py --lr 3e-4
 
-Everything after commsched's own options is torchrun's command line. The script runs
-four times under torchrun, each launch timed over N iterations (optimizer steps) after W,
-and stopped there (``floor_worker.py``):
+Everything after commsched's own options is torchrun's command line. Four launches under
+torchrun, three of them the script, each timed over N iterations (optimizer steps) after
+W, and stopped there (``floor_worker.py``):
 
     compute only    every DistributedDataParallel forward runs inside ``no_sync()``: no
                     gradient collective (the first warm-up iteration excepted, so that DDP
@@ -50,8 +50,8 @@ The launches are measurements: no telemetry is recorded and nothing is saved fro
 (``--save RUN_DIR`` keeps the result, as ``RUN_DIR/floor.json``, for ``commsched report``).
 The script runs in the working directory it is given, with its arguments, as a normal
 run would: it reads its inputs and writes its outputs as a run of it stopped inside its
-optimizer step number W+N does, three times over (files it rewrites hold the hook launch's
-last write; files it appends to, three runs' worth).
+optimizer step number W+N (W+N+P on CUDA) does, three times over (files it rewrites hold
+the hook launch's last write; files it appends to, three runs' worth).
 """
 
 from __future__ import annotations
