@@ -125,9 +125,10 @@ class _Window:
         self.figures: Optional[dict] = None
         self.not_measured: Optional[str] = None
 
-    def install(self) -> None:
+    def install(self):
+        """Count and time every optimizer step from now on; returns the hook's handle."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        register_optimizer_step_post_hook(self.on_step)
+        return register_optimizer_step_post_hook(self.on_step)
 
     def on_step(self, optimizer, args, kwargs) -> None:
         if self.optimizer_id is None:
@@ -150,7 +151,7 @@ class _Window:
             self.on_end()
             if not self.start_profile():
                 raise _WindowDone()
-        elif self.steps > last:
+        elif self.steps > last and self.profiled is not None:
             self.profiled.step_ended()
             if self.steps == last + self.profile_iters:
                 self.stop_profile()
