@@ -310,6 +310,9 @@ def summarize(per_mode: Dict[str, List[dict]], own: Dict[str, object],
     result.update(floor_efficiency(times["compute"], times["comm"], times["hook"]))
     result["verdict"] = verdict(times["compute"], times["comm"], times["hook"])
     result.update(step_parts(per_mode))
+    if result["split"].get("exposed_ms") is not None:
+        # the split bounds what an order can win more tightly than the floor does
+        result["verdict"] += f"; {result['split_verdict']}"
     return result
 
 
@@ -366,7 +369,6 @@ def format_result(r: Dict[str, object]) -> str:
         f"({r['limited_by'].replace('_', ' ')})",
         f"  commsched hook {r['hook_ms']:9.2f}   the script with the commsched DDP hook",
         f"  efficiency     {100 * r['efficiency']:8.1f}%   floor / hook",
-        f"verdict: {r['verdict']}",
     ]
     if "both_ms" in r:
         lines[4:4] = [f"  both at once   {r['both_ms']:9.2f}   compute only with comm only's "
@@ -374,6 +376,7 @@ def format_result(r: Dict[str, object]) -> str:
         lines += _both_lines(r.get("both_at_once") or {})
     if r.get("split"):
         lines += _split_lines(r)
+    lines.append(f"verdict: {r['verdict']}")
     return "\n".join(lines)
 
 
@@ -406,7 +409,7 @@ def _split_lines(r: Dict[str, object]) -> List[str]:
     reasons = set((s.get("not_measured") or {}).values())
     if all(s.get(k) is None for k in PARTS) and len(reasons) == 1:
         return [f"{head}; its parts {reasons.pop()}"]
-    return [head, *format_split(s), f"split: {r['split_verdict']}"]
+    return [head, *format_split(s)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -257,6 +257,18 @@ def test_a_window_says_why_it_cannot_record_here():
         window.ProfiledWindow(0)
 
 
+def test_a_script_running_its_own_profiler_leaves_the_window_not_measured(monkeypatch):
+    import torch
+
+    from commsched.telemetry import window
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+    w = window.ProfiledWindow(2)
+    assert w.reason == "not measured: the script runs its own profiler"
+    assert w.start() is False and w.stop() is None
+
+
 def write_fixtures(directory: Path = FIXTURES) -> None:     # pragma: no cover
     directory.mkdir(parents=True, exist_ok=True)
     step(Trace()).write(directory / "step_window.json.gz")
