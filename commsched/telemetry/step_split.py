@@ -13,12 +13,14 @@ exposed_ms
     the end of the optimizer step, which no order of the collectives within the iteration
     hides (only fewer or faster bytes, or a mode that runs it beside the next forward).
 slowed_ms
-    compute slowed beside communication: each compute kernel name's instances that the
-    compute-only window also runs (the fewer of the two counts per iteration), their time
-    against their mean duration there. Kernels share the device with NCCL's.
+    compute slowed beside communication: the instances of each compute activity (name and
+    launch shape) that the compute-only window also runs (the fewer of the two counts per
+    iteration), their time against their mean duration there. Kernels share the device
+    with NCCL's.
 own_ms
-    own device work: kernel time beyond compute only's by name and count (copies into and
-    out of buckets, casts, extra launches); negative where the step runs fewer.
+    own device work: kernel time beyond compute only's by name, launch shape and count
+    (copies into and out of buckets, casts, extra launches); negative where the step runs
+    fewer.
 host_ms
     the device idle waiting for the host, beyond compute only's: a stretch where nothing
     ran and the launch call of the next activity had not returned.
@@ -73,11 +75,30 @@ def _subtract(a: Sequence[Interval], b: Sequence[Interval]) -> List[Interval]:
     return out
 
 
+def _key(event: dict) -> str:
+    """An activity's kind: its name, and its launch shape where the trace has it (grid and
+    block of a kernel, bytes of a copy or memset). One templated kernel name runs on
+    tensors of every size (an element-wise copy); by shape, the instances of one kind do
+    about the same work, so a step's extra instances are not costed at the name's mean."""
+    args = event.get("args") or {}
+    shape = [f"{k} {args[k]}" for k in ("grid", "block", "bytes") if k in args]
+    name = event["name"]
+    return f"{name} [{', '.join(shape)}]" if shape else name
+
+
+def _short(key: str, width: int = 120) -> str:
+    if len(key) <= width:
+        return key
+    name, bracket, shape = key.partition(" [")
+    tail = bracket + shape
+    return name[:max(20, width - len(tail) - 3)] + "..." + tail
+
+
 def _by_name(events: List[dict], iters: int) -> Dict[str, List[float]]:
-    """Kernel name -> [instances per iteration, ms per iteration]."""
+    """Activity kind (``_key``) -> [instances per iteration, ms per iteration]."""
     out: Dict[str, List[float]] = {}
     for e in events:
-        entry = out.setdefault(e["name"], [0.0, 0.0])
+        entry = out.setdefault(_key(e), [0.0, 0.0])
         entry[0] += 1.0 / iters
         entry[1] += float(e["dur"]) / 1e3 / iters
     return out
@@ -171,7 +192,7 @@ def split(step: Dict[str, object], compute: Dict[str, object], top: int = 6
         "above_ms": above, "exposed_ms": exposed, "tail_ms": step["tail_ms"],
         "slowed_ms": slowed, "own_ms": own, "host_ms": host,
         "rest_ms": above - exposed - slowed - own - host,
-        "own_by_name": [{"name": n[:120], "ms": ms} for n, ms in own_by_name[:top]],
+        "own_by_name": [{"name": _short(n), "ms": ms} for n, ms in own_by_name[:top]],
         "not_measured": {},
     }
     if step["tail_ms"] is None:

@@ -138,6 +138,26 @@ def test_a_kernel_the_step_runs_more_often_is_own_work_and_fewer_is_negative():
     assert s["slowed_ms"] == pytest.approx(0.0)
 
 
+def test_extra_instances_of_a_kernel_are_costed_by_their_launch_shape(tmp_path):
+    # One templated copy kernel: 4 small instances (1 us, grid [4,1,1]) per iteration in
+    # both windows, and in the step 1 large one more (50 us, grid [4096,1,1]): own work is
+    # the large one, not 1/5 of the name's time; nothing is slowed.
+    def copies(tr, large):
+        for k in range(4):
+            tr.add("copy_kernel", 10 * k, 1)
+            tr.events[-3]["args"].update(grid=[4, 1, 1], block=[128, 1, 1])
+        if large:
+            tr.add("copy_kernel", 100, 50)
+            tr.events[-3]["args"].update(grid=[4096, 1, 1], block=[128, 1, 1])
+        return tr
+
+    s = step_split.split(figures(copies(Trace(), True), tmp_path, "step", 1),
+                         figures(copies(Trace(), False), tmp_path, "compute", 1))
+    assert (s["own_ms"], s["slowed_ms"]) == pytest.approx((0.050, 0.0))
+    assert s["own_by_name"] == [{"name": "copy_kernel [grid [4096, 1, 1], block [128, 1, 1]]",
+                                 "ms": pytest.approx(0.050)}]
+
+
 def test_a_window_without_its_markers_leaves_the_tail_not_measured(tmp_path):
     s = step_split.split(figures(step(Trace(), markers=False), tmp_path, "step"),
                          figures(compute_only(Trace(), markers=False), tmp_path, "compute"))
