@@ -371,8 +371,8 @@ def format_result(r: Dict[str, object]) -> str:
         f"  efficiency     {100 * r['efficiency']:8.1f}%   floor / hook",
     ]
     if "both_ms" in r:
-        lines[4:4] = [f"  both at once   {r['both_ms']:9.2f}   compute only with comm only's "
-                      f"all-reduces beside it: what the two cost each other"]
+        lines[4:4] = [f"  both at once   {r['both_ms']:9.2f}   compute only, comm only's "
+                      f"all-reduces beside it"]
         lines += _both_lines(r.get("both_at_once") or {})
     if r.get("split"):
         lines += _split_lines(r)
