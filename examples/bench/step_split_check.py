@@ -250,6 +250,12 @@ def driver(args) -> int:
                               "model": args.model, "iters": args.iters,
                               "warmup": args.warmup, "profile_iters": args.profile_iters}
     rows = []
+    out_path = os.path.join(args.out, "step_split_check.json")
+
+    def save() -> None:         # after each stage: a run cut short keeps what it measured
+        with open(out_path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+
     try:
         floor = run_floor(args)
     except (SystemExit, subprocess.TimeoutExpired) as exc:    # the rest still runs
@@ -258,15 +264,22 @@ def driver(args) -> int:
     doc["floor"] = floor
     traces = os.path.join(args.out, "traces", "floor")
     if floor is not None and floor["split"].get("own_ms") is not None:
-        hand = hand_read(os.path.join(traces, "hook-rank0.json.gz"),
-                         os.path.join(traces, "compute-rank0.json.gz"), args.profile_iters)
-        rows.append(compare("hook (floor)", floor["split"], hand))
+        try:
+            hand = hand_read(os.path.join(traces, "hook-rank0.json.gz"),
+                             os.path.join(traces, "compute-rank0.json.gz"), args.profile_iters)
+            rows.append(compare("hook (floor)", floor["split"], hand))
+        except (OSError, ValueError, KeyError) as exc:
+            doc["hand_read_error"] = f"{type(exc).__name__}: {exc}"
 
+    doc["rows"] = rows
+    save()
     compute = launch_child(args, "compute", 1, "r0")
     runs: Dict[int, List[dict]] = {0: [], 1: []}
+    doc["recording"] = {"runs": runs, "compute": compute}
     for r in range(args.rounds):
         for record in ((0, 1) if r % 2 == 0 else (1, 0)):
             runs[record].append(launch_child(args, "dp", record, f"r{r}"))
+            save()
     dp = runs[1][0]
     if dp["window"] is not None and compute["window"] is not None:
         parts = split(dp["window"], compute["window"])
@@ -283,9 +296,7 @@ def driver(args) -> int:
                         "before_recorded_ms": before_rec,
                         "cost": after_rec / after_plain - 1,
                         "runs": runs, "compute": compute}
-    doc["rows"] = rows
-    with open(os.path.join(args.out, "step_split_check.json"), "w") as f:
-        json.dump(doc, f, indent=1, default=str)
+    save()
 
     print(f"\n{doc['card']}, torch {doc['torch']}, NCCL {doc['nccl']}, {args.model}, world "
           f"size 1; ms per iteration")
