@@ -215,8 +215,8 @@ def run_floor(args) -> dict:
     return json.loads(proc.stdout)
 
 
-def compare(name: str, parts: dict, hand: dict) -> dict:
-    row = {"name": name, **{k: parts.get(k) for k in (
+def compare(name: str, parts: dict, hand: dict, timed_above: Optional[float]) -> dict:
+    row = {"name": name, "timed_above_ms": timed_above, **{k: parts.get(k) for k in (
         "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms")},
         "hand_own_ms": hand["own_ms"], "hand_slowed_ms": hand["slowed_ms"],
         "hand_kernel_change_ms": hand["kernel_change_ms"]}
@@ -267,7 +267,8 @@ def driver(args) -> int:
         try:
             hand = hand_read(os.path.join(traces, "hook-rank0.json.gz"),
                              os.path.join(traces, "compute-rank0.json.gz"), args.profile_iters)
-            rows.append(compare("hook (floor)", floor["split"], hand))
+            rows.append(compare("hook (floor)", floor["split"], hand,
+                                floor["split"].get("above_timed_ms")))
         except (OSError, ValueError, KeyError) as exc:
             doc["hand_read_error"] = f"{type(exc).__name__}: {exc}"
 
@@ -284,7 +285,8 @@ def driver(args) -> int:
     if dp["window"] is not None and compute["window"] is not None:
         parts = split(dp["window"], compute["window"])
         rows.append(compare("data-parallel", parts, hand_read(
-            dp["trace"], compute["trace"], args.profile_iters)))
+            dp["trace"], compute["trace"], args.profile_iters),
+            dp["before_ms"] - compute["before_ms"]))
     else:
         parts = not_measured(dp["not_measured"] or compute["not_measured"] or "not measured")
     doc["dp_split"] = parts
@@ -317,12 +319,12 @@ def driver(args) -> int:
           + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}" for x in runs[1])
           + "; not recorded " + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}"
                                          for x in runs[0]))
-    print("| split | above | exposed | tail | slowed | own | host | rest | hand own | "
-          "|own diff| | hand kernel change | |diff| | parts/above |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| split | timed above | above | exposed | tail | slowed | own | host | rest | "
+          "hand own | |own diff| | hand kernel change | |diff| | parts/above |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['name']} | " + " | ".join(fmt(row[k]) for k in (
-            "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms",
+            "timed_above_ms", "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms",
             "hand_own_ms", "own_diff_ms", "hand_kernel_change_ms", "kernel_change_diff_ms",
             "parts_sum_vs_above")) + " |")
     return 0
