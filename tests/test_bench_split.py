@@ -72,3 +72,26 @@ def test_both_at_once_runs_compute_only_with_the_buckets_beside_it(world1, monke
     # compute only's collectives (DDP's start, the timing barrier) and, in each of the 3
     # steps (1 warm-up, 2 timed), the three buckets
     assert both - compute == 3 * len(buckets)
+
+
+def test_the_gpu_checks_hand_reading_agrees_with_the_package_on_the_fixture_traces():
+    """examples/bench/step_split_check.py reads kernel time by name on its own; on the
+    recorded fixture windows (tests/fixtures/traces) it finds the constructed own work
+    (a 4 us copy) and slowdown (a 36 us kernel that takes 30 in compute only)."""
+    import step_split_check
+    from commsched.telemetry import timeline
+
+    traces = Path(__file__).resolve().parent / "fixtures" / "traces"
+    step, compute = str(traces / "step_window.json.gz"), str(traces / "compute_window.json.gz")
+    hand = step_split_check.hand_read(step, compute, iters=2)
+    assert hand == pytest.approx({"own_ms": 0.004, "slowed_ms": 0.006,
+                                  "kernel_change_ms": 0.010})
+
+    def figures(path):
+        return step_split.window_figures(*timeline.load_trace(path), 2)
+
+    parts = step_split.split(figures(step), figures(compute))
+    row = step_split_check.compare("fixture", parts, hand, timed_above=0.032)
+    assert row["own_diff_ms"] == pytest.approx(0.0, abs=1e-12)
+    assert row["kernel_change_diff_ms"] == pytest.approx(0.0, abs=1e-12)
+    assert row["parts_sum_vs_above"] == pytest.approx(1.0)
