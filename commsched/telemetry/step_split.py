@@ -133,7 +133,8 @@ def window_figures(events: List[dict], calls: List[dict], iters: int,
                    for i in range(iters)) / 1e3 / iters
     else:
         note = (f"not measured: the window holds {len(marks)} markers, not {2 * iters} "
-                f"(a backward end and a step end per iteration)")
+                f"(a backward end and a step end per iteration; several backwards per "
+                f"optimizer step, as gradient accumulation runs, give more)")
     per = 1e3 * iters
     return {
         "iters": iters, "device": device,
