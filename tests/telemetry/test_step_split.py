@@ -289,6 +289,38 @@ def test_a_script_running_its_own_profiler_leaves_the_window_not_measured(monkey
     assert w.start() is False and w.stop() is None
 
 
+def test_stopping_a_window_reads_the_exported_trace_and_keeps_it_only_where_asked(
+        monkeypatch, tmp_path):
+    import shutil
+
+    import torch
+
+    from commsched.telemetry import window
+
+    exported = []
+
+    class Profiler:             # stands in for torch.profiler.profile (no CUDA here)
+        def __exit__(self, *exc):
+            pass
+
+        def export_chrome_trace(self, path):     # gzipped where the name says so
+            if path.endswith(".gz"):
+                shutil.copy(FIXTURES / "step_window.json.gz", path)
+            else:
+                with gzip.open(FIXTURES / "step_window.json.gz", "rb") as f:
+                    Path(path).write_bytes(f.read())
+            exported.append(path)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    expected = figures(step(Trace()), tmp_path, "expected")
+    for kept in (str(tmp_path / "kept.json.gz"), None):
+        w = window.ProfiledWindow(2, kept)
+        w.profiler, w.active = Profiler(), True
+        assert w.stop() == expected
+        assert not w.active and w.profiler is None
+        assert (Path(exported[-1]).exists()) == (kept is not None)
+
+
 def write_fixtures(directory: Path = FIXTURES) -> None:     # pragma: no cover
     directory.mkdir(parents=True, exist_ok=True)
     step(Trace()).write(directory / "step_window.json.gz")
