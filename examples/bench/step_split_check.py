@@ -319,13 +319,13 @@ def driver(args) -> int:
           + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}" for x in runs[1])
           + "; not recorded " + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}"
                                          for x in runs[0]))
-    print("| split | timed above | above | exposed | tail | slowed | own | host | rest | "
-          "hand own | |own diff| | hand kernel change | |diff| | parts/above |")
+    print("| split, ms/step | timed above | above | exposed | tail | slowed | own | host | rest "
+          "| hand own | own diff | hand kernel change | kernel diff | parts/above |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['name']} | " + " | ".join(fmt(row[k]) for k in (
-            "timed_above_ms", "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms",
-            "hand_own_ms", "own_diff_ms", "hand_kernel_change_ms", "kernel_change_diff_ms",
+            "timed_above_ms", "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms",
+            "host_ms", "rest_ms", "hand_own_ms", "own_diff_ms", "hand_kernel_change_ms", "kernel_change_diff_ms",
             "parts_sum_vs_above")) + " |")
     return 0
 
