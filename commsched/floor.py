@@ -409,7 +409,11 @@ def _split_lines(r: Dict[str, object]) -> List[str]:
     reasons = set((s.get("not_measured") or {}).values())
     if all(s.get(k) is None for k in PARTS) and len(reasons) == 1:
         return [f"{head}; its parts {reasons.pop()}"]
-    return [head, *format_split(s)]
+    lines = [head, *format_split(s)]
+    if s.get("own_by_name"):
+        lines.append("  own work, largest: " + "; ".join(
+            f"{o['ms']:+.2f} {o['name']}" for o in s["own_by_name"][:3]))
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -89,6 +89,7 @@ def test_the_split_is_the_slowest_hook_ranks_windows_against_compute_only():
     assert "both at once       90.00" in text
     assert "compute kernels +6.00 ms (+8.5%), collectives +2.00 ms (+7.1%)" in text
     assert "  exposed            15.00" in text and "    tail              6.00" in text
+    assert "  own work, largest: +3.00 copy" in text
     # the verdict, last, bounds what an order can win by the split
     assert text.splitlines()[-1] == (
         "verdict: 76% efficient: any communication scheduler could win at most 25.00 ms per "
