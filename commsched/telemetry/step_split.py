@@ -96,12 +96,13 @@ def _short(key: str, width: int = 120) -> str:
 
 def _by_name(events: List[dict], iters: int) -> Dict[str, List[float]]:
     """Activity kind (``_key``) -> [instances per iteration, ms per iteration]."""
-    out: Dict[str, List[float]] = {}
+    totals: Dict[str, List[float]] = {}
     for e in events:
-        entry = out.setdefault(_key(e), [0.0, 0.0])
-        entry[0] += 1.0 / iters
-        entry[1] += float(e["dur"]) / 1e3 / iters
-    return out
+        entry = totals.setdefault(_key(e), [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(e["dur"])
+    # (counts summed whole, then divided: equal counts compare equal)
+    return {key: [n / iters, us / 1e3 / iters] for key, (n, us) in totals.items()}
 
 
 def window_figures(events: List[dict], calls: List[dict], iters: int,
