@@ -27,7 +27,8 @@ _COMMANDS = {
     "report": ("commsched.telemetry.report", "report_main", "telemetry report of a run"),
     "trace": ("commsched.telemetry.trace", "trace_main", "Perfetto trace of a run"),
     "floor": ("commsched.floor", "main",
-              "time a DDP script's compute only, comm only and with the hook: its floor"),
+              "time a DDP script's compute only, comm only, both at once and with the "
+              "hook: its floor, and where its step goes"),
     "simulate": ("commsched.sim.whatif", "simulate_main",
                  "what-if projection of a recorded run to other cluster sizes"),
 }

@@ -1,29 +1,57 @@
 """``commsched floor``: how close a DDP training script's step is to the overlap floor.
 
-    commsched floor [--iters N] [--warmup W] [--save RUN_DIR] [--json] \\
-        --nproc-per-node 2 train.py --lr 3e-4
+    commsched floor [--iters N] [--warmup W] [--profile-iters P] [--trace-dir DIR]
+        [--save RUN_DIR] [--json] --nproc-per-node 2 train.py --lr 3e-4
 
-Everything after commsched's own options is torchrun's command line. The script runs
-three times under torchrun, each launch timed over N iterations (optimizer steps) after W,
-and stopped there (``floor_worker.py``):
+Everything after commsched's own options is torchrun's command line. Four launches under
+torchrun, three of them the script, each timed over N iterations (optimizer steps) after
+W, and stopped there (``floor_worker.py``):
 
     compute only    every DistributedDataParallel forward runs inside ``no_sync()``: no
                     gradient collective (the first warm-up iteration excepted, so that DDP
                     settles its buckets); the compute floor
     comm only       the first launch's bucket layout (sizes, dtypes, DDP's bucket order),
                     all-reduced by itself, no script: the communication floor
+    both at once    compute only, with comm only's all-reduces issued at the start of each
+                    iteration beside it (nothing orders them after the backward), waited
+                    for before the optimizer step: what the two cost each other here. Not
+                    a floor for a mode that runs communication beside the next forward
     hook            the script with the commsched DDP hook
 
 The floor is max(compute only, comm only): a step cannot be shorter than its compute nor
 than its communication, however well one hides the other. Efficiency is floor / step time
 (``floor_efficiency``, the arithmetic the report and the benchmark harness use too).
 
+On CUDA each launch then records P more iterations (``--profile-iters``, default 3; 0:
+none) with torch.profiler, and the hook's step above compute only is split by cause, per
+iteration, from those windows' device time (``commsched.telemetry.step_split``); the
+parts add up to the hook window's step less compute only's:
+
+    exposed         communication with no compute running beside it; lowered by hiding
+                    it: a better order, smaller first buckets, bfloat16 all-reduces
+      tail          of it, what runs after the backward's last kernel: no order within
+                    the iteration hides it; fewer bytes, faster links, or a mode that
+                    runs it beside the next forward (the data-parallel mode) lower it
+    slowed          compute kernels beside communication, each against its own duration
+                    in compute only: the two share SMs and memory; fewer bytes, or NCCL
+                    with fewer channels, lower it
+    own work        kernel time beyond compute only's by name and count (bucket copies,
+                    casts, extra launches): what the hook adds on the device
+    host            the device idle waiting for the host beyond compute only's; a larger
+                    batch, fewer launches (fused optimizers, CUDA graphs) lower it
+    rest            idle waiting for a dependency, and what the trace cannot attribute
+
+The both-at-once launch's compute kernels and collectives are set against compute only's
+and comm only's the same way. A part that cannot be measured (a CPU run, a script that
+runs its own profiler) is printed as not measured, never as 0. ``--trace-dir DIR`` keeps
+each launch's trace (``DIR/<launch>-rank<r>.json.gz``, for ui.perfetto.dev).
+
 The launches are measurements: no telemetry is recorded and nothing is saved from them
 (``--save RUN_DIR`` keeps the result, as ``RUN_DIR/floor.json``, for ``commsched report``).
 The script runs in the working directory it is given, with its arguments, as a normal
 run would: it reads its inputs and writes its outputs as a run of it stopped inside its
-optimizer step number W+N does, three times over (files it rewrites hold the hook launch's
-last write; files it appends to, three runs' worth).
+optimizer step number W+N (W+N+P on CUDA) does, three times over (files it rewrites hold
+the hook launch's last write; files it appends to, three runs' worth).
 """
 
 from __future__ import annotations
@@ -46,9 +74,11 @@ __all__ = ["FLOOR_FILE", "FloorError", "floor_efficiency", "verdict", "load_floo
 PROG = "commsched floor"
 FLOOR_FILE = "floor.json"
 SCHEMA = "commsched.floor/1"
-MODES = ("compute", "comm", "hook")          # launch order: comm replays compute's layout
+# launch order: comm and both replay compute's layout
+MODES = ("compute", "comm", "both", "hook")
 DEFAULT_ITERS = 20
 DEFAULT_WARMUP = 5
+DEFAULT_PROFILE_ITERS = 3
 # Efficiency at or above this: the step is at its floor, within timing noise.
 AT_FLOOR = 0.97
 
@@ -169,16 +199,18 @@ def check_save_dir(run_dir: str) -> None:
 
 # --- the command ---------------------------------------------------------------------------
 
-USAGE = (f"usage: {PROG} [--iters N] [--warmup W] [--save RUN_DIR] [--json] "
-         "[--timeout S] TORCHRUN_ARGS... SCRIPT [ARGS...]")
+USAGE = (f"usage: {PROG} [--iters N] [--warmup W] [--profile-iters P] [--trace-dir DIR] "
+         "[--save RUN_DIR] [--json] [--timeout S] TORCHRUN_ARGS... SCRIPT [ARGS...]")
 
-_OWN = {"--iters": int, "--warmup": int, "--save": str, "--timeout": float}
+_OWN = {"--iters": int, "--warmup": int, "--save": str, "--timeout": float,
+        "--profile-iters": int, "--trace-dir": str}
 
 
 def _split(argv: List[str]) -> Tuple[Dict[str, object], List[str]]:
     """commsched floor's own options (leading), and torchrun's command line (the rest)."""
     own: Dict[str, object] = {"iters": DEFAULT_ITERS, "warmup": DEFAULT_WARMUP,
-                              "save": None, "timeout": 900.0, "json": False}
+                              "save": None, "timeout": 900.0, "json": False,
+                              "profile_iters": DEFAULT_PROFILE_ITERS, "trace_dir": None}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -194,7 +226,7 @@ def _split(argv: List[str]) -> Tuple[Dict[str, object], List[str]]:
             else:
                 raise ConfigError(f"{name} needs a value")
             try:
-                own[name[2:]] = _OWN[name](value)
+                own[name[2:].replace("-", "_")] = _OWN[name](value)
             except ValueError:
                 raise ConfigError(f"{name} {value!r}: expected a number") from None
         else:
@@ -203,6 +235,9 @@ def _split(argv: List[str]) -> Tuple[Dict[str, object], List[str]]:
     if own["iters"] < 1 or own["warmup"] < 1:
         raise ConfigError("--iters and --warmup must be at least 1 (the first warm-up "
                           "iteration is where DDP settles its buckets)")
+    if own["profile_iters"] < 0:
+        raise ConfigError(f"--profile-iters {own['profile_iters']}: must be 0 (no profiled "
+                          "window) or more")
     return own, argv[i:]
 
 
@@ -234,7 +269,10 @@ def _launch(mode: str, options: List[str], target: List[str], own: Dict[str, obj
     env = {k: v for k, v in os.environ.items() if k != "COMMSCHED_TELEMETRY_DIR"}
     cmd = [sys.executable, "-m", "torch.distributed.run", *options,
            "-m", "commsched.floor_worker", "--mode", mode, "--iters", str(own["iters"]),
-           "--warmup", str(own["warmup"]), "--results", scratch, "--", *target]
+           "--warmup", str(own["warmup"]), "--results", scratch,
+           "--profile-iters", str(own["profile_iters"]),
+           *(["--trace-dir", os.path.abspath(str(own["trace_dir"]))] if own["trace_dir"]
+             else []), "--", *target]
     log = os.path.join(scratch, f"{mode}.log")
     with open(log, "w") as out:
         try:
@@ -259,6 +297,8 @@ def _read_results(scratch: str, mode: str) -> List[dict]:
 def measure(own: Dict[str, object], options: List[str], target: List[str]) -> Dict[str, object]:
     """Run the three launches; the result (raises ``FloorError`` naming a failed one)."""
     scratch = tempfile.mkdtemp(prefix="commsched-floor-")
+    if own.get("trace_dir"):
+        os.makedirs(str(own["trace_dir"]), exist_ok=True)
     try:
         per_mode: Dict[str, List[dict]] = {}
         for mode in MODES:
@@ -298,9 +338,52 @@ def summarize(per_mode: Dict[str, List[dict]], own: Dict[str, object],
         "backwards": {m: max(r["backwards"] for r in rs) for m, rs in per_mode.items()},
         "per_rank_ms": {m: [r["ms_per_iteration"] for r in rs] for m, rs in per_mode.items()},
     }
+    if "both" in times:
+        result["both_ms"] = times["both"]
     result.update(floor_efficiency(times["compute"], times["comm"], times["hook"]))
     result["verdict"] = verdict(times["compute"], times["comm"], times["hook"])
+    result.update(step_parts(per_mode))
+    if result["split"].get("exposed_ms") is not None:
+        # the split bounds what an order can win more tightly than the floor does
+        result["verdict"] += f"; {result['split_verdict']}"
     return result
+
+
+def step_parts(per_mode: Dict[str, List[dict]]) -> Dict[str, object]:
+    """The hook step's split by cause (``telemetry.step_split``) and what compute and
+    communication cost each other in the both-at-once launch, from the profiled windows
+    of the rank whose hook step was slowest; parts without a window are not measured."""
+    from .telemetry.step_split import both_at_once, not_measured, split, verdict_line
+
+    hook = per_mode["hook"]
+    rank = max(hook, key=lambda r: r["ms_per_iteration"]).get("rank", 0)
+
+    def window(mode: str) -> Tuple[Optional[dict], Optional[str]]:
+        rs = [r for r in per_mode.get(mode, []) if r.get("rank", 0) == rank]
+        if not rs:
+            return None, f"not measured: no {mode} launch"
+        return rs[0].get("window"), rs[0].get("window_not_measured") or (
+            None if rs[0].get("window") else "not measured: no profiled window")
+
+    (w_hook, why_hook), (w_compute, why_compute) = window("hook"), window("compute")
+    (w_both, why_both), (w_comm, _) = window("both"), window("comm")
+    timed_above = (max(r["ms_per_iteration"] for r in hook)
+                   - max(r["ms_per_iteration"] for r in per_mode["compute"]))
+    if w_hook is not None and w_compute is not None:
+        parts = split(w_hook, w_compute)
+    else:
+        parts = not_measured(why_hook or why_compute or "not measured", timed_above)
+    parts["above_timed_ms"] = timed_above
+    if w_both is not None and w_compute is not None:
+        both = both_at_once(w_both, w_compute, w_comm)
+        both["not_measured"] = None if w_comm is not None else (
+            "collectives: not measured: no comm only window")
+    else:
+        both = {"compute_slowed_ms": None, "compute_slowed": None, "comm_slowed_ms": None,
+                "comm_slowed": None,
+                "not_measured": why_both or why_compute or "not measured"}
+    return {"split": parts, "split_rank": rank, "both_at_once": both,
+            "split_verdict": verdict_line(parts)}
 
 
 def format_result(r: Dict[str, object]) -> str:
@@ -319,9 +402,51 @@ def format_result(r: Dict[str, object]) -> str:
         f"({r['limited_by'].replace('_', ' ')})",
         f"  commsched hook {r['hook_ms']:9.2f}   the script with the commsched DDP hook",
         f"  efficiency     {100 * r['efficiency']:8.1f}%   floor / hook",
-        f"verdict: {r['verdict']}",
     ]
+    if "both_ms" in r:
+        lines[4:4] = [f"  both at once   {r['both_ms']:9.2f}   compute only, comm only's "
+                      f"all-reduces beside it"]
+        lines += _both_lines(r.get("both_at_once") or {})
+    if r.get("split"):
+        lines += _split_lines(r)
+    lines.append(f"verdict: {r['verdict']}")
     return "\n".join(lines)
+
+
+def _both_lines(b: Dict[str, object]) -> List[str]:
+    def part(key: str, what: str) -> str:
+        if b.get(key + "_ms") is None:
+            return f"{what} not measured"
+        pct = (f" ({100 * b[key]:+.1f}%)" if b.get(key) is not None else "")
+        return f"{what} {b[key + '_ms']:+.2f} ms{pct}"
+    line = ("both at once, against running alone: "
+            + part("compute_slowed", "compute kernels") + ", "
+            + part("comm_slowed", "collectives"))
+    if b.get("not_measured"):
+        line += f" ({b['not_measured']})"
+    return [line]
+
+
+def _split_lines(r: Dict[str, object]) -> List[str]:
+    from .telemetry.step_split import PARTS, format_split
+
+    s = r["split"]
+    if s.get("step_window_ms") is not None:
+        head = (f"the hook's step above compute only, by cause (profiled window, rank "
+                f"{r.get('split_rank', 0)}: {s['step_window_ms']:.2f} - "
+                f"{s['compute_window_ms']:.2f} = {s['above_ms']:.2f} ms per iteration; "
+                f"timed: {s['above_timed_ms']:.2f})")
+    else:
+        head = (f"the hook's step above compute only, by cause: "
+                f"{s['above_timed_ms']:.2f} ms per iteration (timed)")
+    reasons = set((s.get("not_measured") or {}).values())
+    if all(s.get(k) is None for k in PARTS) and len(reasons) == 1:
+        return [f"{head}; its parts {reasons.pop()}"]
+    lines = [head, *format_split(s)]
+    if s.get("own_by_name"):
+        lines.append("  own work, largest: " + "; ".join(
+            f"{o['ms']:+.2f} {o['name']}" for o in s["own_by_name"][:3]))
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> int:

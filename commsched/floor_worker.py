@@ -1,12 +1,17 @@
 """One rank of a ``commsched floor`` launch; torchrun starts it in place of the script.
 
-    python -m commsched.floor_worker --mode compute|comm|hook --iters N --warmup W \\
-        --results DIR -- SCRIPT [ARGS...]      (or -- -m MODULE [ARGS...])
+    python -m commsched.floor_worker --mode compute|comm|both|hook --iters N --warmup W \\
+        [--profile-iters P] [--trace-dir T] --results DIR -- SCRIPT [ARGS...]
+        (or -- -m MODULE [ARGS...])
 
 An iteration ends at an ``optimizer.step()`` (the first optimizer that steps; a global
 step post-hook, nothing added to the loop). The device is synchronised only at the ends
 of the timed window, after step W and after step W+N, so the host runs ahead of the
-device as in training; after step W+N the script is stopped (every rank counts the same
+device as in training. On CUDA, P more steps follow, recorded by torch.profiler
+(``telemetry.window``: CUDA activity and a marker kernel at each backward's end and step's
+end; none where the script runs a profiler of its own) and read into the result's
+``window`` (``step_split.window_figures``); the trace is kept in T where given. After the
+last step the script is stopped (every rank counts the same
 steps, so every rank stops at the same one, with no collective to agree on it) and this
 rank's result goes to ``DIR/<mode>-rank<r>.json``:
 
@@ -17,6 +22,10 @@ rank's result goes to ``DIR/<mode>-rank<r>.json``:
               on is recorded for ``comm``
     comm      no script: the recorded buckets, one all-reduce each in bucket order per
               iteration, on the backend and device the script used
+    both      compute's script, and in each iteration the comm launch's all-reduces issued
+              when the first forward starts, asynchronously (on the backend's communication
+              stream: nothing orders them after the backward) and waited for before the
+              optimizer step: what compute and communication cost each other
     hook      the script with the commsched DDP hook (``commsched.run.install``), no
               telemetry
 
@@ -66,10 +75,13 @@ class _Counters:
     def __init__(self) -> None:
         self.groups: List[object] = []
         self.backwards = 0
+        self.profiled: Optional[object] = None     # the ProfiledWindow while it records
         self._original_backward = torch.autograd.backward
 
         def backward(*args, **kwargs):
             self.backwards += 1
+            if self.profiled is not None:
+                self.profiled.backward_started(args[0] if args else kwargs.get("tensors"))
             return self._original_backward(*args, **kwargs)
 
         torch.autograd.backward = backward
@@ -92,10 +104,12 @@ class _Counters:
 
 
 class _Window:
-    """Times optimizer steps W .. W+N and stops the script after step W+N."""
+    """Times optimizer steps W .. W+N, records P more under the profiler where it can, and
+    stops the script after the last."""
 
     def __init__(self, warmup: int, iters: int, counters: _Counters,
-                 on_end: Callable[[], None] = lambda: None):
+                 on_end: Callable[[], None] = lambda: None, profile_iters: int = 0,
+                 trace_path: Optional[str] = None):
         self.warmup, self.iters = warmup, iters
         self.counters = counters
         self.on_end = on_end
@@ -105,10 +119,16 @@ class _Window:
         self.start: Dict[str, Optional[int]] = {}
         self.end: Dict[str, Optional[int]] = {}
         self.step_times: List[float] = []
+        self.profile_iters = profile_iters
+        self.trace_path = trace_path
+        self.profiled = None
+        self.figures: Optional[dict] = None
+        self.not_measured: Optional[str] = None
 
-    def install(self) -> None:
+    def install(self):
+        """Count and time every optimizer step from now on; returns the hook's handle."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
-        register_optimizer_step_post_hook(self.on_step)
+        return register_optimizer_step_post_hook(self.on_step)
 
     def on_step(self, optimizer, args, kwargs) -> None:
         if self.optimizer_id is None:
@@ -116,26 +136,60 @@ class _Window:
         if id(optimizer) != self.optimizer_id:
             return
         self.steps += 1
+        last = self.warmup + self.iters
         if self.steps == self.warmup:
             _synchronize()
             self.start = self.counters.read()
             self.t0 = time.perf_counter()
             self.step_times.append(self.t0)
-        elif self.steps > self.warmup:
+        elif self.warmup < self.steps <= last:
             self.step_times.append(time.perf_counter())
-        if self.steps == self.warmup + self.iters:
+        if self.steps == last:
             _synchronize()
             self.t1 = time.perf_counter()
             self.end = self.counters.read()
             self.on_end()
-            raise _WindowDone()
+            if not self.start_profile():
+                raise _WindowDone()
+        elif self.steps > last and self.profiled is not None:
+            self.profiled.step_ended()
+            if self.steps == last + self.profile_iters:
+                self.stop_profile()
+                raise _WindowDone()
+
+    def start_profile(self) -> bool:
+        """Start the profiled window after the timed one; False where there is none."""
+        if self.profile_iters < 1:
+            self.not_measured = "not measured: --profile-iters 0"
+            return False
+        from .telemetry.window import ProfiledWindow
+
+        window = ProfiledWindow(self.profile_iters, self.trace_path)
+        if not window.start():
+            self.not_measured = window.reason
+            return False
+        self.profiled = self.counters.profiled = window
+        return True
+
+    def stop_profile(self) -> None:
+        window, self.profiled, self.counters.profiled = self.profiled, None, None
+        try:
+            self.figures = window.stop()
+        except Exception as exc:    # the timing stands without its window
+            traceback.print_exc()
+            self.figures = None
+            window.reason = (f"not measured: the profiled window could not be read "
+                             f"({type(exc).__name__}: {exc})")
+        if self.figures is None:
+            self.not_measured = window.reason
 
     def result(self) -> dict:
         count = {k: None if self.start.get(k) is None or self.end.get(k) is None
                  else self.end[k] - self.start[k] for k in ("collectives", "backwards")}
         return {"ms_per_iteration": (self.t1 - self.t0) * 1e3 / self.iters,
                 "host_step_ms": [1e3 * (b - a) for a, b in
-                                 zip(self.step_times, self.step_times[1:])], **count}
+                                 zip(self.step_times, self.step_times[1:])], **count,
+                "window": self.figures, "window_not_measured": self.not_measured}
 
 
 def _bucket_layout(model) -> List[dict]:
@@ -154,10 +208,11 @@ def _bucket_layout(model) -> List[dict]:
         return [{"bytes": int(s), "dtype": dtype} for s in sizes.split(",") if s.strip()]
 
 
-def _watch_ddp(counters: _Counters, models: List[object], compute_only: Callable[[], bool]
-               ) -> None:
+def _watch_ddp(counters: _Counters, models: List[object], compute_only: Callable[[], bool],
+               before_forward: Callable[[object], None] = lambda model: None) -> None:
     """Record every DistributedDataParallel the script builds (and its process group);
-    with ``compute_only()`` true, run its forwards inside ``no_sync()``."""
+    with ``compute_only()`` true, run its forwards inside ``no_sync()``; call
+    ``before_forward(model)`` before each forward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     init, forward = DDP.__init__, DDP.forward
@@ -168,6 +223,7 @@ def _watch_ddp(counters: _Counters, models: List[object], compute_only: Callable
         counters.add_group(getattr(self, "process_group", None))
 
     def no_sync_forward(self, *args, **kwargs):
+        before_forward(self)
         if not compute_only():
             return forward(self, *args, **kwargs)
         with self.no_sync():
@@ -188,6 +244,33 @@ def _run_target(target: List[str]) -> None:
         runpy.run_path(target[0], run_name="__main__")
 
 
+class _Beside:
+    """The both launch's collectives: the compute launch's buckets, all-reduced on the
+    script's process group, issued before an iteration's first forward and waited for
+    before its optimizer step."""
+
+    def __init__(self, layout: List[dict]):
+        self.layout = layout
+        self.buffers: List[torch.Tensor] = []
+        self.works: List[object] = []
+
+    def issue(self, model) -> None:
+        if self.works:          # (a later forward of the same iteration)
+            return
+        if not self.buffers:
+            device = next(model.parameters()).device
+            self.buffers = [torch.zeros(max(1, b["bytes"] // getattr(torch, b["dtype"]).itemsize),
+                                        dtype=getattr(torch, b["dtype"]), device=device)
+                            for b in self.layout]
+        group = getattr(model, "process_group", None)
+        self.works = [dist.all_reduce(b, group=group, async_op=True) for b in self.buffers]
+
+    def wait(self, optimizer, args, kwargs) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+
 def _script_launch(mode: str, args, rank: int) -> dict:
     counters = _Counters()
     models: List[object] = []
@@ -196,6 +279,12 @@ def _script_launch(mode: str, args, rank: int) -> dict:
         from .config import Config
         from .run import install
         install(Config.from_env().replace(enabled=True, telemetry_dir=None))
+    beside: Optional[_Beside] = None
+    if mode == "both":
+        with open(os.path.join(args.results, f"compute-rank{rank}.json")) as f:
+            beside = _Beside(json.load(f)["layout"])
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(beside.wait)
 
     def record_layout() -> None:
         # (at the window's end: the buckets were rebuilt in the second iteration's forward)
@@ -208,15 +297,31 @@ def _script_launch(mode: str, args, rank: int) -> dict:
             result["device_name"] = (torch.cuda.get_device_name(device)
                                      if device.type == "cuda" else None)
 
-    window = _Window(args.warmup, args.iters, counters, record_layout)
-    _watch_ddp(counters, models, lambda: mode == "compute" and window.steps >= 1)
+    trace = (os.path.join(args.trace_dir, f"{mode}-rank{rank}.json.gz")
+             if args.trace_dir else None)
+    window = _Window(args.warmup, args.iters, counters, record_layout, args.profile_iters,
+                     trace)
+    _watch_ddp(counters, models, lambda: mode in ("compute", "both") and window.steps >= 1,
+               beside.issue if beside is not None else (lambda model: None))
     window.install()
     ended_early = {"error": f"{' '.join(args.target)} ended after {{steps}} optimizer steps; "
                             f"the measurement needs {args.warmup + args.iters} (--warmup "
                             f"{args.warmup} + --iters {args.iters})"}
+
+    def ended() -> dict:
+        if window.steps < args.warmup + args.iters:
+            return {"error": ended_early["error"].format(steps=window.steps)}
+        # The script ended inside the profiled window: the timing stands, the window not.
+        if window.profiled is not None:
+            window.profiled = counters.profiled = None
+        window.figures = None
+        window.not_measured = (f"not measured: the script ended after {window.steps} "
+                               f"optimizer steps, inside the profiled window")
+        return {**result, **window.result()}
+
     # A script that ends the process itself (os._exit after its exit handlers) never
     # returns here: say so from an exit handler.
-    _on_exit.append(lambda: {"error": ended_early["error"].format(steps=window.steps)})
+    _on_exit.append(ended)
     try:
         _run_target(args.target)
     except _WindowDone:
@@ -225,7 +330,7 @@ def _script_launch(mode: str, args, rank: int) -> dict:
         return {**result, **window.result()}
     except SystemExit:
         pass
-    return {"error": ended_early["error"].format(steps=window.steps)}
+    return ended()
 
 
 def _comm_launch(args, rank: int) -> dict:
@@ -248,7 +353,10 @@ def _comm_launch(args, rank: int) -> dict:
         for work in works:
             work.wait()
 
-    window = _Window(args.warmup, args.iters, counters)
+    trace = (os.path.join(args.trace_dir, f"comm-rank{rank}.json.gz")
+             if args.trace_dir else None)
+    window = _Window(args.warmup, args.iters, counters, profile_iters=args.profile_iters,
+                     trace_path=trace)
     for _ in range(args.warmup):
         iteration()
     _synchronize()
@@ -257,6 +365,10 @@ def _comm_launch(args, rank: int) -> dict:
         iteration()
     _synchronize()
     window.t1, window.end = time.perf_counter(), counters.read()
+    if window.start_profile():
+        for _ in range(args.profile_iters):
+            iteration()
+        window.stop_profile()
     return {**window.result(), "layout": compute["layout"], "backend": backend,
             "device_type": device_type}
 
@@ -269,10 +381,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     split = argv.index("--")
     p = argparse.ArgumentParser(prog="commsched.floor_worker")
-    p.add_argument("--mode", choices=("compute", "comm", "hook"), required=True)
+    p.add_argument("--mode", choices=("compute", "comm", "both", "hook"), required=True)
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--results", required=True)
+    p.add_argument("--profile-iters", type=int, default=0)
+    p.add_argument("--trace-dir", default=None)
     args = p.parse_args(argv[:split])
     args.target = argv[split + 1:]
     rank = int(os.environ.get("RANK", 0))

@@ -28,9 +28,9 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 # Modes the harness measures itself, with no commsched API involved: these must run.
-HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "floor")
+HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "both_at_once")
 # The canonical set, in table order.
-ALL_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "comm_only_bf16",
+ALL_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "both_at_once", "comm_only_bf16",
              "floor_bf16", "ddp_bf16_hook", "ddp_commsched", "ddp_commsched_telemetry",
              "commsched_dp", "commsched_dp_bf16", "commsched_dp_zero")
 # Modes that run another mode's code with other settings (not run by the smoke test).

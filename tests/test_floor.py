@@ -49,6 +49,76 @@ def test_the_result_takes_each_launch_at_its_slowest_rank():
     assert "floor              84.00" in text and "efficiency         80.0%" in text
 
 
+def window(span, kernels, exposed=0.0, tail=0.0, host=0.0, collectives=None):
+    """A profiled window's figures (step_split.window_figures), ms per iteration."""
+    return {"span_ms": span, "exposed_ms": exposed, "tail_ms": tail, "tail_note": None,
+            "host_late_ms": host, "kernels": kernels, "collectives": collectives or {}}
+
+
+def test_the_split_is_the_slowest_hook_ranks_windows_against_compute_only():
+    from commsched.telemetry.step_split import both_at_once, split
+
+    layout = [{"bytes": 1 << 20, "dtype": "float32"}]
+    compute = [window(80.0, {"gemm": [10, 70.0]}), window(82.0, {"gemm": [10, 71.0]})]
+    hook = [window(100.0, {"gemm": [10, 74.0], "copy": [2, 3.0]}, exposed=12.0, tail=5.0),
+            window(105.0, {"gemm": [10, 75.0], "copy": [2, 3.0]}, exposed=15.0, tail=6.0,
+                   host=1.0)]
+    comm = [window(30.0, {}, collectives={"nccl": [2, 28.0]})] * 2
+    both = [window(90.0, {"gemm": [10, 77.0]}, collectives={"nccl": [2, 30.0]})] * 2
+    per_mode = {
+        "compute": [rank_result(80.0, 0, ITERS, rank=r, window=compute[r], layout=layout,
+                                backend="nccl") for r in (0, 1)],
+        "comm": [rank_result(30.0, 8, 0, rank=r, window=comm[r]) for r in (0, 1)],
+        "both": [rank_result(90.0, 8, ITERS, rank=r, window=both[r]) for r in (0, 1)],
+        "hook": [rank_result(100.0, 8, ITERS, rank=0, window=hook[0]),
+                 rank_result(105.0, 8, ITERS, rank=1, window=hook[1])],
+    }
+    r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert r["split_rank"] == 1 and r["both_ms"] == 90.0
+    expected = split(hook[1], compute[1])
+    assert {k: r["split"][k] for k in expected} == expected
+    # 23 above compute: 15 exposed (6 the tail), 4 slowed, 3 own work, 1 host, 0 rest
+    assert (r["split"]["above_ms"], r["split"]["slowed_ms"], r["split"]["own_ms"],
+            r["split"]["rest_ms"]) == pytest.approx((23.0, 4.0, 3.0, 0.0))
+    assert r["split"]["above_timed_ms"] == pytest.approx(25.0)
+    assert r["both_at_once"] == {**both_at_once(both[1], compute[1], comm[1]),
+                                 "not_measured": None}
+    assert r["both_at_once"]["compute_slowed_ms"] == pytest.approx(6.0)
+    assert r["both_at_once"]["comm_slowed"] == pytest.approx(2 / 28)
+    text = floor.format_result(r)
+    assert "both at once       90.00" in text
+    assert "compute kernels +6.00 ms (+8.5%), collectives +2.00 ms (+7.1%)" in text
+    assert "  exposed            15.00" in text and "    tail              6.00" in text
+    assert "  own work, largest: +3.00 copy" in text
+    # the verdict, last, bounds what an order can win by the split
+    assert text.splitlines()[-1] == (
+        "verdict: 76% efficient: any communication scheduler could win at most 25.00 ms per "
+        "iteration (24% of the step); of 23.0 ms above compute: 15.0 exposed (6.0 of them "
+        "the tail), 4.0 compute slowed beside communication, 3.0 own device work, 1.0 host, "
+        "0.0 rest; a better order can win at most the 9.0 ms of exposed communication "
+        "outside the tail")
+
+
+def test_without_windows_every_part_is_not_measured_with_the_reason():
+    reason = "not measured: no CUDA timing on this device"
+    layout = [{"bytes": 1 << 20, "dtype": "float32"}]
+    per_mode = {m: [rank_result(ms, 0, ITERS, window=None, window_not_measured=reason,
+                                layout=layout, backend="gloo")]
+                for m, ms in (("compute", 10.0), ("comm", 5.0), ("both", 14.0),
+                              ("hook", 16.0))}
+    r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert all(r["split"][k] is None for k in ("exposed_ms", "tail_ms", "slowed_ms",
+                                               "own_ms", "host_ms", "rest_ms"))
+    assert set(r["split"]["not_measured"].values()) == {reason}
+    assert r["split"]["above_timed_ms"] == pytest.approx(6.0)
+    assert r["both_at_once"]["compute_slowed_ms"] is None
+    assert r["both_at_once"]["not_measured"] == reason
+    text = floor.format_result(r)
+    assert ("the hook's step above compute only, by cause: 6.00 ms per iteration (timed); "
+            f"its parts {reason}") in text
+    assert "compute kernels not measured, collectives not measured" in text
+
+
 def test_a_step_at_its_floor_gets_no_promise():
     assert floor.verdict(100.0, 40.0, 101.0).startswith("at the floor (99% efficient)")
     assert "only fewer bytes" in floor.verdict(40.0, 100.0, 150.0)
@@ -77,6 +147,11 @@ def test_options_come_first_and_torchrun_parses_the_rest():
     assert target == ["-m", "pkg.train", "--lr", "3e-4"]
     with pytest.raises(ValueError, match="at least 1"):
         floor._split(["--warmup", "0", "train.py"])
+    own, _ = floor._split(["--profile-iters", "0", "--trace-dir", "t", "train.py"])
+    assert (own["profile_iters"], own["trace_dir"]) == (0, "t")
+    assert floor._split(["train.py"])[0]["profile_iters"] == floor.DEFAULT_PROFILE_ITERS
+    with pytest.raises(ValueError, match="--profile-iters -1: must be 0"):
+        floor._split(["--profile-iters", "-1", "train.py"])
 
 
 def floor_command(args, cwd, env_extra=None, timeout=150):
@@ -97,7 +172,8 @@ def test_floor_on_a_ddp_script_prints_the_table_and_leaves_the_scripts_outputs(t
                                     "COMMSCHED_TELEMETRY_DIR": str(tmp_path / "tel")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    for label in ("compute only", "comm only", "floor", "commsched hook", "efficiency"):
+    for label in ("compute only", "comm only", "floor", "both at once", "commsched hook",
+                  "efficiency"):
         assert any(line.strip().startswith(label) for line in lines), (label, proc.stdout)
     assert any(line.startswith("verdict: ") for line in lines), proc.stdout
     result = json.loads((saved / "floor.json").read_text())
@@ -105,9 +181,14 @@ def test_floor_on_a_ddp_script_prints_the_table_and_leaves_the_scripts_outputs(t
     assert result["efficiency"] == pytest.approx(result["floor_ms"] / result["hook_ms"])
     # compute only ran no collective, comm only no backward, the hook both
     assert result["collectives"]["compute"] == 0
-    assert result["backwards"] == {"compute": ITERS, "comm": 0, "hook": ITERS}
+    assert result["backwards"] == {"compute": ITERS, "comm": 0, "both": ITERS, "hook": ITERS}
     assert result["collectives"]["comm"] == ITERS * len(result["buckets"])
     assert result["collectives"]["hook"] >= ITERS * len(result["buckets"])
+    # both at once: compute only's backward with comm only's collectives beside it
+    assert result["collectives"]["both"] == ITERS * len(result["buckets"])
+    # on CPU no part of the split is measured, and the output says so
+    assert result["both_ms"] > 0 and result["split"]["exposed_ms"] is None
+    assert "its parts not measured: no CUDA timing on this device" in proc.stdout
     # the buckets DDP rebuilt in the order gradients became ready (0.1 MB cap, reached by
     # the last layer's 257 floats with the middle layer's 65792; then the first's 16640)
     assert result["buckets"] == [{"bytes": 4 * (257 + 65792), "dtype": "float32"},

@@ -11,6 +11,9 @@ Modules, in data-flow order::
     metrics.py    bus bandwidth, interval unions, counter interpolation, outlier statistics
     analysis.py   per-iteration table, summary and outlier attribution (used by report)
     decomposition.py  nodes x local ranks, the decompositions that ran, auto's table
+    timeline.py   a torch.profiler trace's compute, exposed communication and idle time
+    step_split.py a step's time above compute only, by cause, from two profiled windows
+    window.py     ProfiledWindow: records one window of steps with the split's markers
     report.py     ``commsched report`` (text / JSON)      plot.py: ``--plot``
     trace.py      ``commsched trace`` (Chrome / Perfetto trace JSON)
     nvtx_ranges.py  NVTX push/pop used around dispatches

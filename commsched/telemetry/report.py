@@ -20,6 +20,7 @@ from ..floor import load_floor
 from .analysis import DEFINITIONS, analyze
 from .decomposition import decomposition_section, format_decomposition
 from .errors import TelemetryError
+from .step_split import TELEMETRY_REASON, from_telemetry
 from .store import RunData, load_run
 
 __all__ = ["main", "report_main", "build_report", "report_from_run", "format_text",
@@ -54,6 +55,7 @@ def report_from_run(run: RunData, iterations=None, ranks=None) -> dict:
     floor, note = load_floor(run.run_dir)
     result = analyze(run, iterations, ranks, floor)
     result["floor_note"] = note
+    result["split"] = _splits(result["summary"], floor)
     result["run_dir"] = run.run_dir
     result["other_runs"], result["skipped"] = run.other_runs, run.skipped
     result["summary"] = {str(k): v for k, v in result["summary"].items()}
@@ -160,6 +162,7 @@ def format_text(report: dict) -> str:
                              f"{s['iteration_ms_median']:.2f} ms)")
     else:
         lines += ["", f"efficiency: {report.get('floor_note', 'no floor')}"]
+    lines += _split_lines(report)
     lines += ["", f"outliers ({DEFINITIONS['outlier']}): {len(report['outliers'])}"]
     for o in report["outliers"]:
         lines.append(f"  rank {o['rank']} iteration {o['iteration']}: {o['iteration_ms']:.2f} ms"
@@ -167,6 +170,31 @@ def format_text(report: dict) -> str:
                      f"{o['cause']}")
         lines += [f"      {e}" for e in o["evidence"]]
     return "\n".join(lines)
+
+
+def _splits(summary: dict, floor: Optional[dict]) -> dict:
+    """Per rank, the parts of the median iteration above compute only that these device
+    timestamps give (``step_split.from_telemetry``)."""
+    compute = floor.get("compute_only_ms") if floor else None
+    return {str(rank): from_telemetry(s["iteration_ms_median"], s["exposed_comm_ms_median"],
+                                      compute)
+            for rank, s in summary.items()}
+
+
+def _split_lines(report: dict) -> List[str]:
+    lines = [""]
+    for rank, s in (report.get("split") or {}).items():
+        above = ("above compute only: needs floor.json's compute only" if s["above_ms"] is None
+                 else f"{s['above_ms']:.2f} ms above compute only (median iteration less "
+                      f"floor.json's compute only)")
+        tail = ("not measured" if s["tail_ms"] is None else f"{s['tail_ms']:.2f} ms")
+        lines.append(f"rank {rank}: {above}; the tail (communication after the device ended "
+                     f"the backward) {tail}; exposed communication before it, compute slowed "
+                     f"beside communication, own device work and host: {TELEMETRY_REASON}")
+    floor = report.get("floor") or {}
+    if floor.get("split_verdict"):
+        lines.append(f"commsched floor's split of its hook launch: {floor['split_verdict']}")
+    return lines
 
 
 def _pct(fraction: Optional[float]) -> Optional[float]:

@@ -36,6 +36,11 @@ Measurement options:
 
 The floor is max(compute only, comm only) and a mode's efficiency floor / its time, both
 from ``commsched.floor.floor_efficiency``, as ``commsched floor`` computes them.
+* ``BENCH_SPLIT=1``: after a mode's timed windows, one more window of ``BENCH_WINDOW``
+  steps recorded by ``commsched.telemetry.window.ProfiledWindow`` (CUDA only); every mode
+  after compute only gets its step above compute only split by cause (``"split"``,
+  ``"split_verdict"``: ``commsched.telemetry.step_split``), as ``commsched floor`` splits
+  the hook's.
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes as the
   settings read them, ``commsched.config.parse_bytes``: K/M/G are powers of 1024; 0 = no
   partitioning / unbounded credit): the commsched hook with that setting and telemetry on:
@@ -403,6 +408,8 @@ class Bench:
         self.scratch: List[str] = []    # temporary telemetry directories of the current mode
         self.kept: List[str] = []       # telemetry directories of the current mode, kept
         self.steady_ms: List[float] = []    # the last time()'s interior step intervals
+        self.marks = None       # the ProfiledWindow while BENCH_SPLIT records (train_step)
+        self.window: Optional[Dict[str, Any]] = None    # its figures, for run_mode
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
@@ -460,10 +467,15 @@ class Bench:
                 loss = loss_fn(model(inputs), targets)
             if probe is not None:
                 probe.mark()
+            marks = self.marks
+            if marks is not None:
+                marks.backward_started(loss)
             loss.backward()
             if probe is not None:
                 probe.mark()
             optimizer.step()
+            if marks is not None:
+                marks.step_ended()
             optimizer.zero_grad(set_to_none=True)
             if probe is not None:
                 probe.mark()
@@ -546,7 +558,29 @@ class Bench:
         profile_dir = os.environ.get("BENCH_PROFILE")
         if profile_dir:
             self.profile(step, window, Path(profile_dir), quiesce)
+        if os.environ.get("BENCH_SPLIT") == "1":
+            self.record_split_window(step, window, quiesce)
         return times
+
+    def record_split_window(self, step: Callable[[], None], window: int,
+                            quiesce: Optional[Callable[[], None]] = None) -> None:
+        """BENCH_SPLIT=1: ``window`` more steps recorded for the step split (not timed);
+        ``self.window`` holds the figures, or None where it cannot record (on CPU)."""
+        from commsched.telemetry.window import ProfiledWindow
+
+        recorder = ProfiledWindow(window)
+        self.window = None
+        if not recorder.start():
+            return
+        self.marks = recorder
+        try:
+            for _ in range(window):
+                step()
+            if quiesce is not None:
+                quiesce()
+        finally:
+            self.marks = None
+            self.window = recorder.stop()
 
     def profile(self, step: Callable[[], None], window: int, directory: Path,
                 quiesce: Optional[Callable[[], None]] = None) -> None:
@@ -644,6 +678,58 @@ def run_comm_only(bench: Bench, dtype: torch.dtype = torch.float32) -> Dict[str,
     return {"iter_ms": bench.time(step), "buckets": len(bucket_bytes),
             "bucket_bytes": bucket_bytes, "bucket_source": source,
             "total_bytes": sum(b.numel() * size for b in buffers)}
+
+
+def run_both_at_once(bench: Bench) -> Dict[str, Any]:
+    """Compute only with comm only's all-reduces beside it: the same buckets issued at the
+    start of each step, asynchronously (nothing orders them after the backward), and
+    waited for before the optimizer step. Its time against compute only and comm only is
+    what the two cost each other on this machine; not a floor for a mode that runs
+    communication beside the next forward."""
+    bucket_bytes, source = bench.cache.get("buckets") or fallback_bucket_bytes(bench)
+    buffers = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=bench.device)
+               for n in bucket_bytes]
+    model = bench.ddp(bench.build_model())
+    optimizer = bench.optimizer(model.parameters())
+    works: List[Any] = []
+
+    def wait(opt, args, kwargs) -> None:
+        for work in works:
+            work.wait()
+        works.clear()
+
+    handle = optimizer.register_step_pre_hook(wait)
+    step = bench.train_step(model, optimizer)
+
+    def both_step() -> None:
+        works.extend(dist.all_reduce(b, async_op=True) for b in buffers)
+        with model.no_sync():
+            step()
+
+    try:
+        times = bench.time(both_step)
+    finally:
+        handle.remove()
+    return {"iter_ms": times, "buckets": len(bucket_bytes), "bucket_source": source}
+
+
+def attach_split(bench: Bench, mode: "Mode", result: Dict[str, Any]) -> None:
+    """BENCH_SPLIT=1: keep compute only's window; set every later mode's against it."""
+    if bench.window is None:
+        return
+    if mode.name in ("compute_only", "comm_only"):
+        bench.cache[f"{mode.name}_window"] = bench.window
+        return
+    compute = bench.cache.get("compute_only_window")
+    if compute is None or mode.name == "comm_only_bf16":
+        return
+    from commsched.telemetry.step_split import both_at_once, split, verdict_line
+
+    result["split"] = split(bench.window, compute)
+    result["split_verdict"] = verdict_line(result["split"])
+    if mode.name == "both_at_once":
+        result["both_at_once"] = both_at_once(bench.window, compute,
+                                              bench.cache.get("comm_only_window"))
 
 
 # ``--set FIELD=VALUE``: Config fields every commsched mode of the launch runs with (a
@@ -775,6 +861,8 @@ MODES: List[Mode] = [
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
     Mode("floor", "3 floor = max(1, 2)", None),
+    Mode("both_at_once", "3c both at once: 1 with 2's all-reduces beside it",
+         run_both_at_once),
     Mode("comm_only_bf16", "2b comm only, bfloat16 all-reduces",
          lambda bench: run_comm_only(bench, torch.bfloat16)),
     Mode("floor_bf16", "3b floor of bfloat16 all-reduces = max(1, 2b)", None),
@@ -1003,6 +1091,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     bench.phases = bench.threads = None
     bench.steady_ms = []
     bench.kept = []
+    bench.window = None
     bench.mode_name = mode.name
     started = time.monotonic()
     memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None
@@ -1029,6 +1118,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
             result["phases"] = [bench.phases]        # this rank's, per round (BENCH_PHASES)
         if bench.threads is not None:
             result["threads"] = [bench.threads]      # this rank's, per round (BENCH_PHASES)
+        attach_split(bench, mode, result)
     except ModeUnavailable as exc:
         result = empty_result(mode, "n/a", str(exc))
     except Exception as exc:  # noqa: BLE001 - OOM or a bug in a mode: report it, go on

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 __all__ = [
     "GPTConfig", "GPT", "VGG", "VGG16_LAYOUT", "vgg16", "ResNet", "Bottleneck", "resnet50",
     "count_parameters", "LibraryLM", "LLAMA_SHAPE", "LLAMA_QUICK_SHAPE", "llama_lm",
+    "GPT2_SHAPES", "gpt2_lm",
     "lm_batch", "lm_loss",
 ]
 
@@ -297,3 +298,23 @@ def lm_batch(vocab: int, micro_batch: int, seq: int, device: torch.device,
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over every token position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# GPT-2 small and medium (tied embeddings), sequence 1024, micro-batch 8.
+GPT2_SHAPES = {
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq=1024, micro_batch=8),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, seq=1024,
+                        micro_batch=8),
+}
+
+
+def gpt2_lm(shape: dict) -> LibraryLM:
+    """``transformers.GPT2LMHeadModel`` of ``shape`` (one of ``GPT2_SHAPES``; random
+    initialisation from its config, no dropout). Raises ImportError without
+    ``transformers``."""
+    import transformers
+
+    layers = {k: v for k, v in shape.items() if k not in ("seq", "micro_batch")}
+    config = transformers.GPT2Config(**layers, n_positions=shape["seq"], resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return LibraryLM(transformers.GPT2LMHeadModel(config))

@@ -26,10 +26,12 @@ import models  # noqa: E402
 SEED = 1234         # as the harness: the same weights and batches as its llama_lib modes
 
 
-def build(quick: bool, device: torch.device):
+def build(quick: bool, device: torch.device, model: str = "llama"):
     """The model on ``device`` (from ``SEED``) and its shape: seq, micro_batch, vocab_size."""
     torch.manual_seed(SEED)
     with device:
+        if model in models.GPT2_SHAPES and not quick:
+            return models.gpt2_lm(models.GPT2_SHAPES[model]), models.GPT2_SHAPES[model]
         if quick:
             return (models.GPT(models.GPTConfig(layers=2, hidden=128, heads=4, seq=64,
                                                 vocab=4096)),
@@ -63,6 +65,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--quick", action="store_true",
                         help="a tiny GPT in plain PyTorch (no transformers needed)")
+    parser.add_argument("--model", choices=("llama", *models.GPT2_SHAPES), default="llama",
+                        help="the Llama-architecture decoder (default), or GPT-2 small or "
+                             "medium from transformers (micro-batch 8, sequence 1024)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -70,7 +75,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model, shape = build(args.quick, device)
+    model, shape = build(args.quick, device, args.model)
     model = DDP(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                                   **({"fused": True} if cuda else {}))
