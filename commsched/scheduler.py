@@ -312,6 +312,7 @@ class Scheduler:
             raise ConfigError(f"tensor on {tensor.device}, but earlier requests of lane "
                               f"{lane.name} were on {lane.device}")
         settings = lane.submit_settings() or lane.config
+        average = average and lane.world_size > 1      # [Note: an average over one rank]
         if partition_bytes is None:
             partition_bytes = settings.partition_bytes
         decompose = decompose if decompose is not None else settings.decompose
@@ -505,7 +506,7 @@ def _whole_request(lane: Lane, tensor: torch.Tensor, key: Hashable, priority: in
     where the request is not one of them."""
     numel = tensor.numel()
     if op == "all_reduce" and reduce_op is _SUM:
-        if average:
+        if average and lane.world_size > 1:     # [Note: an average over one rank]
             if lane.issuer.kernel_average:
                 reduce_op = _AVG
             else:

@@ -257,3 +257,21 @@ def test_a_key_submitted_twice_in_one_iteration_is_rejected(world1):
     sched.submit(torch.ones(10), key="w").wait()      # a new iteration takes it again
     sched.end_iteration()
     sched.close()
+
+
+@pytest.mark.parametrize("partition_bytes", [0, 256])
+def test_an_average_over_one_rank_is_the_sum_and_touches_the_tensor_once(
+        world1, partition_bytes):
+    """Dividing by a group of one changes no value, and NCCL runs ReduceOp.AVG over one
+    rank as a kernel of its own: the request sums (no division, no AVG), and the values
+    are the input's, bitwise."""
+    sched = Scheduler(Config(partition_bytes=partition_bytes, credit_bytes=0, policy="fifo"))
+    value = torch.randn(1000, generator=torch.Generator().manual_seed(7)) * 3
+    tensor = value.clone()
+    version = tensor._version           # an in-place division would count a write
+    req = sched.submit(tensor, key="g", average=True)
+    assert req.reduce_op == dist.ReduceOp.SUM
+    assert tensor._version == version
+    sched.end_iteration()
+    assert torch.equal(req.wait(), value)
+    sched.close()
