@@ -24,8 +24,12 @@ than its communication, however well one hides the other. Efficiency is floor / 
 
 On CUDA each launch then records P more iterations (``--profile-iters``, default 3; 0:
 none) with torch.profiler, and the hook's step above compute only is split by cause, per
-iteration, from those windows' device time (``commsched.telemetry.step_split``); the
-parts add up to the hook window's step less compute only's:
+iteration (``commsched.telemetry.step_split``). The split is of the timed step: the parts
+add up to the timed hook step less the timed compute only (the two figures printed above
+it). The device parts (exposed, tail, slowed, own work: kernel times) are read from the
+profiled windows; host is read there too, under the profiler, which slows the host, and
+rest is the remainder. A part is negative where the hook's step runs less of it than
+compute only does:
 
     exposed         communication with no compute running beside it; lowered by hiding
                     it: a better order, smaller first buckets, bfloat16 all-reduces
@@ -37,9 +41,11 @@ parts add up to the hook window's step less compute only's:
                     with fewer channels, lower it
     own work        kernel time beyond compute only's by name and count (bucket copies,
                     casts, extra launches): what the hook adds on the device
-    host            the device idle waiting for the host beyond compute only's; a larger
-                    batch, fewer launches (fused optimizers, CUDA graphs) lower it
-    rest            idle waiting for a dependency, and what the trace cannot attribute
+    host            the device idle waiting for the host beyond compute only's, read
+                    under the profiler; a larger batch, fewer launches (fused optimizers,
+                    CUDA graphs) lower it
+    rest            the remainder: idle waiting for a dependency, what the trace cannot
+                    attribute, and the timed steps' host time less the windows'
 
 The both-at-once launch's compute kernels and collectives are set against compute only's
 and comm only's the same way. A part that cannot be measured (a CPU run, a script that
@@ -359,31 +365,46 @@ def step_parts(per_mode: Dict[str, List[dict]]) -> Dict[str, object]:
     rank = max(hook, key=lambda r: r["ms_per_iteration"]).get("rank", 0)
 
     def window(mode: str) -> Tuple[Optional[dict], Optional[str]]:
-        rs = [r for r in per_mode.get(mode, []) if r.get("rank", 0) == rank]
-        if not rs:
+        if mode not in per_mode:
             return None, f"not measured: no {mode} launch"
-        return rs[0].get("window"), rs[0].get("window_not_measured") or (
-            None if rs[0].get("window") else "not measured: no profiled window")
+        rs = [r for r in per_mode[mode] if r.get("rank", 0) == rank]
+        if not rs:
+            return None, f"not measured: the {mode} launch has no result of rank {rank}"
+        if rs[0].get("window"):
+            return rs[0]["window"], None
+        return None, rs[0].get("window_not_measured") or (
+            f"not measured: the {mode} launch's result holds no window and no reason")
 
     (w_hook, why_hook), (w_compute, why_compute) = window("hook"), window("compute")
-    (w_both, why_both), (w_comm, _) = window("both"), window("comm")
+    (w_both, why_both), (w_comm, why_comm) = window("both"), window("comm")
+    # the split is of the step the command timed and prints: the hook's time less compute
+    # only's (each the slowest rank's); the windows give its device parts
     timed_above = (max(r["ms_per_iteration"] for r in hook)
                    - max(r["ms_per_iteration"] for r in per_mode["compute"]))
     if w_hook is not None and w_compute is not None:
-        parts = split(w_hook, w_compute)
+        parts = split(w_hook, w_compute, timed_above_ms=timed_above)
     else:
-        parts = not_measured(why_hook or why_compute or "not measured", timed_above)
-    parts["above_timed_ms"] = timed_above
+        parts = not_measured(_missing(("hook", w_hook, why_hook),
+                                      ("compute only", w_compute, why_compute)), timed_above)
     if w_both is not None and w_compute is not None:
-        both = both_at_once(w_both, w_compute, w_comm)
-        both["not_measured"] = None if w_comm is not None else (
-            "collectives: not measured: no comm only window")
+        both = both_at_once(w_both, w_compute, w_comm, why_comm)
     else:
         both = {"compute_slowed_ms": None, "compute_slowed": None, "comm_slowed_ms": None,
                 "comm_slowed": None,
-                "not_measured": why_both or why_compute or "not measured"}
+                "not_measured": _missing(("both at once", w_both, why_both),
+                                         ("compute only", w_compute, why_compute))}
     return {"split": parts, "split_rank": rank, "both_at_once": both,
             "split_verdict": verdict_line(parts)}
+
+
+def _missing(*launches: Tuple[str, Optional[dict], Optional[str]]) -> str:
+    """Why a figure that needs every one of ``launches`` (name, window, reason) was not
+    measured: the one reason where every window is missing for it (a CPU run), else each
+    missing window's reason, named by its launch."""
+    missing = [(name, why) for name, w, why in launches if w is None]
+    if len(missing) == len(launches) and len({why for _, why in missing}) == 1:
+        return str(missing[0][1])
+    return "; ".join(f"the {name} window: {why}" for name, why in missing)
 
 
 def format_result(r: Dict[str, object]) -> str:
@@ -431,14 +452,13 @@ def _split_lines(r: Dict[str, object]) -> List[str]:
     from .telemetry.step_split import PARTS, format_split
 
     s = r["split"]
+    head = (f"the hook's step above compute only, by cause: {s['above_ms']:.2f} ms per "
+            f"iteration (timed)")
     if s.get("step_window_ms") is not None:
-        head = (f"the hook's step above compute only, by cause (profiled window, rank "
-                f"{r.get('split_rank', 0)}: {s['step_window_ms']:.2f} - "
-                f"{s['compute_window_ms']:.2f} = {s['above_ms']:.2f} ms per iteration; "
-                f"timed: {s['above_timed_ms']:.2f})")
-    else:
-        head = (f"the hook's step above compute only, by cause: "
-                f"{s['above_timed_ms']:.2f} ms per iteration (timed)")
+        head += (f"; device parts from the profiled windows (rank {r.get('split_rank', 0)}: "
+                 f"{s['step_window_ms']:.2f} - {s['compute_window_ms']:.2f} = "
+                 f"{s['window_above_ms']:.2f} there), host read under the profiler, rest "
+                 f"the remainder")
     reasons = set((s.get("not_measured") or {}).values())
     if all(s.get(k) is None for k in PARTS) and len(reasons) == 1:
         return [f"{head}; its parts {reasons.pop()}"]

@@ -333,6 +333,17 @@ def _script_launch(mode: str, args, rank: int) -> dict:
     return ended()
 
 
+def _comm_window_reason(reason: Optional[str], backend: str, world_size: int
+                        ) -> Optional[str]:
+    """The comm launch's window reason, with the cause where it is known: at world size 1
+    an in-place NCCL sum all-reduce launches no kernel, so its window runs nothing."""
+    from .telemetry.window import NO_DEVICE_ACTIVITY
+
+    if reason == NO_DEVICE_ACTIVITY and backend == "nccl" and world_size == 1:
+        return f"{reason}: at world size 1 NCCL's in-place sum launches no kernel"
+    return reason
+
+
 def _comm_launch(args, rank: int) -> dict:
     """The compute launch's buckets, all-reduced alone, W + N iterations."""
     with open(os.path.join(args.results, f"compute-rank{rank}.json")) as f:
@@ -369,6 +380,8 @@ def _comm_launch(args, rank: int) -> dict:
         for _ in range(args.profile_iters):
             iteration()
         window.stop_profile()
+        window.not_measured = _comm_window_reason(window.not_measured, backend,
+                                                  dist.get_world_size())
     return {**window.result(), "layout": compute["layout"], "backend": backend,
             "device_type": device_type}
 

@@ -75,14 +75,17 @@ def test_the_split_is_the_slowest_hook_ranks_windows_against_compute_only():
     }
     r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
     assert r["split_rank"] == 1 and r["both_ms"] == 90.0
-    expected = split(hook[1], compute[1])
+    # the split is of the timed step: 105 - 80 = 25 above compute only (the windows say
+    # 105 - 82 = 23): 15 exposed (6 the tail), 4 slowed, 3 own work, 1 host from the
+    # windows, 2 rest, the remainder
+    expected = split(hook[1], compute[1], timed_above_ms=25.0)
     assert {k: r["split"][k] for k in expected} == expected
-    # 23 above compute: 15 exposed (6 the tail), 4 slowed, 3 own work, 1 host, 0 rest
-    assert (r["split"]["above_ms"], r["split"]["slowed_ms"], r["split"]["own_ms"],
-            r["split"]["rest_ms"]) == pytest.approx((23.0, 4.0, 3.0, 0.0))
-    assert r["split"]["above_timed_ms"] == pytest.approx(25.0)
-    assert r["both_at_once"] == {**both_at_once(both[1], compute[1], comm[1]),
-                                 "not_measured": None}
+    assert (r["split"]["above_ms"], r["split"]["window_above_ms"], r["split"]["exposed_ms"],
+            r["split"]["tail_ms"], r["split"]["slowed_ms"], r["split"]["own_ms"],
+            r["split"]["host_ms"], r["split"]["rest_ms"]) == pytest.approx(
+        (25.0, 23.0, 15.0, 6.0, 4.0, 3.0, 1.0, 2.0))
+    assert r["both_at_once"] == both_at_once(both[1], compute[1], comm[1])
+    assert r["both_at_once"]["not_measured"] is None
     assert r["both_at_once"]["compute_slowed_ms"] == pytest.approx(6.0)
     assert r["both_at_once"]["comm_slowed"] == pytest.approx(2 / 28)
     text = floor.format_result(r)
@@ -90,13 +93,16 @@ def test_the_split_is_the_slowest_hook_ranks_windows_against_compute_only():
     assert "compute kernels +6.00 ms (+8.5%), collectives +2.00 ms (+7.1%)" in text
     assert "  exposed            15.00" in text and "    tail              6.00" in text
     assert "  own work, largest: +3.00 copy" in text
-    # the verdict, last, bounds what an order can win by the split
+    assert ("the hook's step above compute only, by cause: 25.00 ms per iteration (timed); "
+            "device parts from the profiled windows (rank 1: 105.00 - 82.00 = 23.00 there), "
+            "host read under the profiler, rest the remainder") in text
+    # the verdict, last, bounds what an order can win by the split of the timed step
     assert text.splitlines()[-1] == (
         "verdict: 76% efficient: any communication scheduler could win at most 25.00 ms per "
-        "iteration (24% of the step); of 23.0 ms above compute: 15.0 exposed (6.0 of them "
-        "the tail), 4.0 compute slowed beside communication, 3.0 own device work, 1.0 host, "
-        "0.0 rest; a better order can win at most the 9.0 ms of exposed communication "
-        "outside the tail")
+        "iteration (24% of the step); of 25.0 ms above compute: 15.0 exposed (6.0 of them "
+        "the tail), 4.0 compute slowed beside communication, 3.0 own device work, 1.0 host "
+        "under the profiler, 2.0 rest; a better order can win at most the 9.0 ms of "
+        "exposed communication outside the tail")
 
 
 def test_without_windows_every_part_is_not_measured_with_the_reason():
@@ -110,13 +116,83 @@ def test_without_windows_every_part_is_not_measured_with_the_reason():
     assert all(r["split"][k] is None for k in ("exposed_ms", "tail_ms", "slowed_ms",
                                                "own_ms", "host_ms", "rest_ms"))
     assert set(r["split"]["not_measured"].values()) == {reason}
-    assert r["split"]["above_timed_ms"] == pytest.approx(6.0)
+    assert r["split"]["above_ms"] == pytest.approx(6.0)
+    assert r["split"]["window_above_ms"] is None
     assert r["both_at_once"]["compute_slowed_ms"] is None
     assert r["both_at_once"]["not_measured"] == reason
     text = floor.format_result(r)
     assert ("the hook's step above compute only, by cause: 6.00 ms per iteration (timed); "
             f"its parts {reason}") in text
     assert "compute kernels not measured, collectives not measured" in text
+
+
+def one_rank_launches(**windows):
+    """One rank's four launches (compute 80, comm 5, both 82, hook 85 ms), each with the
+    window given (or none, with the reason given)."""
+    layout = [{"bytes": 1 << 20, "dtype": "float32"}]
+    out = {}
+    for mode, ms in (("compute", 80.0), ("comm", 5.0), ("both", 82.0), ("hook", 85.0)):
+        w, why = windows.get(mode, (None, f"not measured: {mode} had none"))
+        out[mode] = [rank_result(ms, 0, ITERS, rank=0, window=w, window_not_measured=why,
+                                 layout=layout, backend="nccl")]
+    return out
+
+
+def test_a_comm_only_window_that_ran_nothing_gives_that_reason_for_the_collectives():
+    """At world size 1 an in-place sum runs no NCCL kernel: the comm only window was
+    recorded and held no device activity, and the both-at-once line says so."""
+    from commsched import floor_worker
+    from commsched.telemetry.window import NO_DEVICE_ACTIVITY
+
+    reason = floor_worker._comm_window_reason(NO_DEVICE_ACTIVITY, "nccl", 1)
+    compute = window(80.0, {"gemm": [10, 70.0]})
+    both = window(82.0, {"gemm": [10, 71.0]})
+    per_mode = one_rank_launches(compute=(compute, None), both=(both, None),
+                                 hook=(window(85.0, {"gemm": [10, 70.0]}), None),
+                                 comm=(None, reason))
+    r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert r["both_at_once"]["compute_slowed_ms"] == pytest.approx(1.0)
+    assert r["both_at_once"]["comm_slowed_ms"] is None
+    assert r["both_at_once"]["not_measured"] == (
+        "the comm only window: not measured: the window ran no device activity: at world "
+        "size 1 NCCL's in-place sum launches no kernel")
+    assert ("collectives not measured (the comm only window: not measured: the "
+            "window ran no device activity") in floor.format_result(r)
+
+
+def test_the_world_size_1_cause_is_added_only_where_it_holds():
+    from commsched import floor_worker
+    from commsched.telemetry.window import NO_DEVICE_ACTIVITY
+
+    assert floor_worker._comm_window_reason(NO_DEVICE_ACTIVITY, "nccl", 2) == \
+        NO_DEVICE_ACTIVITY
+    assert floor_worker._comm_window_reason(NO_DEVICE_ACTIVITY, "gloo", 1) == \
+        NO_DEVICE_ACTIVITY
+    other = "not measured: the script runs its own profiler"
+    assert floor_worker._comm_window_reason(other, "nccl", 1) == other
+    assert floor_worker._comm_window_reason(None, "nccl", 1) is None
+
+
+def test_a_reason_names_the_launch_whose_window_is_missing():
+    hook = window(85.0, {"gemm": [10, 70.0]})
+    comm = window(5.0, {}, collectives={"nccl": [1, 4.0]})
+    r = summarize(one_rank_launches(hook=(hook, None), comm=(comm, None)),
+                  {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert set(r["split"]["not_measured"].values()) == {
+        "the compute only window: not measured: compute had none"}
+    assert r["split"]["above_ms"] == pytest.approx(5.0)
+    assert r["both_at_once"]["not_measured"] == (
+        "the both at once window: not measured: both had none; the compute only window: "
+        "not measured: compute had none")
+
+
+def test_a_rank_without_a_result_in_a_launch_is_named():
+    per_mode = one_rank_launches()
+    per_mode["both"][0]["rank"] = 1
+    r = summarize(per_mode, {"iters": ITERS, "warmup": WARMUP}, ["train.py"])
+    assert r["both_at_once"]["not_measured"] == (
+        "the both at once window: not measured: the both launch has no result of rank 0; "
+        "the compute only window: not measured: compute had none")
 
 
 def test_a_step_at_its_floor_gets_no_promise():

@@ -4,8 +4,14 @@ A window is a few training steps recorded with torch.profiler (CUDA activity onl
 ``window.ProfiledWindow`` records one) with a marker kernel on the training stream at the
 end of each backward (after its last kernel) and at the end of each optimizer step.
 ``window_figures()`` reads one per iteration; ``split()`` sets a step's window against the
-compute-only window of the same script and splits the difference of their device spans,
-``above_ms = step - compute only``, into parts that add up to it exactly:
+compute-only window of the same script and splits the step's time above compute only,
+``above_ms``, into parts that add up to it exactly. ``above_ms`` is the **timed** step less
+the timed compute only wherever the caller timed them (``timed_above_ms``: what a user
+reads as the step's cost); only a caller with windows alone gets the difference of the
+windows' device spans, which is kept as ``window_above_ms`` in any case. The windows run
+under the profiler, whose per-launch work slows the host: their idle waiting for the host
+differs from the timed steps' by milliseconds, and from one window to the next by noise,
+so their span difference is not the timed one. The parts:
 
 exposed_ms
     communication exposed: an NCCL kernel runs and no compute activity does.
@@ -23,11 +29,17 @@ own_ms
     fewer.
 host_ms
     the device idle waiting for the host, beyond compute only's: a stretch where nothing
-    ran and the launch call of the next activity had not returned.
+    ran and the launch call of the next activity had not returned. Read in the windows,
+    **under the profiler**: the host is slower there than in the timed steps.
 rest_ms
-    the remainder: idle waiting for a dependency (a stream waiting for an event), idle
-    the trace cannot attribute, and compute activities overlapping each other (on several
-    streams) differently from compute only.
+    the remainder, ``above - exposed - slowed - own - host``: idle waiting for a
+    dependency (a stream waiting for an event), idle the trace cannot attribute, compute
+    activities overlapping each other (on several streams) differently from compute only,
+    and, where ``above_ms`` is timed, the timed steps' host time less the windows'.
+
+The device parts (exposed, tail, slowed, own) are kernel times, which the profiler's host
+overhead does not change: they hold for the timed steps too. A part is negative where
+the step runs less of it than compute only does.
 
 A part that cannot be measured (no CUDA timing, a script that runs its own profiler, a
 window without its markers) is ``None`` with the reason in ``not_measured``: never 0.
@@ -35,6 +47,7 @@ window without its markers) is ``None`` with the reason in ``not_measured``: nev
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .errors import TelemetryError
@@ -51,8 +64,13 @@ LABELS = {"exposed_ms": ("exposed", "communication with no compute running besid
           "tail_ms": ("  tail", "of it, after the backward's last kernel"),
           "slowed_ms": ("slowed", "compute kernels beside communication, against compute only"),
           "own_ms": ("own work", "kernel time beyond compute only's: copies, casts, launches"),
-          "host_ms": ("host", "device idle waiting for the host, beyond compute only's"),
-          "rest_ms": ("rest", "idle waiting for a dependency; streams overlapping")}
+          "host_ms": ("host", "device idle waiting for the host, beyond compute only's, "
+                              "read under the profiler"),
+          "rest_ms": ("rest", "the remainder: idle waiting for a dependency, streams "
+                              "overlapping, the timed steps' host less the windows'")}
+# A negative part: the step ran less of it than compute only did.
+BELOW = {"slowed_ms": "faster than in compute only", "own_ms": "less than compute only",
+         "host_ms": "less than compute only", "rest_ms": "less than compute only"}
 
 Interval = Tuple[float, float]
 
@@ -118,7 +136,8 @@ def window_figures(events: List[dict], calls: List[dict], iters: int,
     marks = sorted(float(e["ts"]) for e in events if MARKER in e["name"])
     acts = [e for e in events if MARKER not in e["name"]]
     if not acts:
-        raise TelemetryError(f"window_figures: no GPU activity for device {device}")
+        raise TelemetryError(f"window_figures: no GPU activity for device {device} besides "
+                             f"the markers")
     iv = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # noqa: E731
     comm = [e for e in acts if is_comm(e)]
     compute = [e for e in acts if not is_comm(e)]
@@ -175,23 +194,40 @@ def _change(step: Dict[str, List[float]], base: Dict[str, List[float]]
 
 
 def not_measured(reason: str, above_ms: Optional[float] = None) -> Dict[str, object]:
-    """A split none of whose parts could be measured, and why."""
-    return {"above_ms": above_ms, **{p: None for p in PARTS},
+    """A split none of whose parts could be measured, and why (``above_ms``: the step
+    above compute only where it was timed)."""
+    return {"above_ms": above_ms, "window_above_ms": None, **{p: None for p in PARTS},
             "not_measured": {p: reason for p in PARTS}}
 
 
-def split(step: Dict[str, object], compute: Dict[str, object], top: int = 6
-          ) -> Dict[str, object]:
-    """The step's window (``window_figures``) against compute only's: ``above_ms`` (the
-    difference of their device spans per iteration) and its parts (module docstring);
-    ``exposed + slowed + own + host + rest == above`` exactly, the tail within exposed."""
-    above = float(step["span_ms"]) - float(compute["span_ms"])
+def split(step: Dict[str, object], compute: Dict[str, object], top: int = 6,
+          timed_above_ms: Optional[float] = None) -> Dict[str, object]:
+    """The step's window (``window_figures``) against compute only's, ms per iteration.
+
+    ``above_ms`` is ``timed_above_ms`` (the timed step less the timed compute only) where
+    given, else the difference of the windows' device spans; ``window_above_ms`` is that
+    difference either way, and ``above_from`` says which one ``above_ms`` is ("timed" or
+    "windows"). The parts (module docstring) add up to ``above_ms`` exactly,
+    ``exposed + slowed + own + host + rest``, the tail within exposed; rest is the
+    remainder, so a timed above changes rest and nothing else."""
+    window_above = float(step["span_ms"]) - float(compute["span_ms"])
+    if timed_above_ms is None:
+        above = window_above
+    else:
+        above = timed_above_ms
+        if isinstance(above, bool) or not isinstance(above, (int, float)) \
+                or not math.isfinite(above):
+            raise TelemetryError(f"split: timed_above_ms must be a finite number of ms (the "
+                                 f"timed step less the timed compute only), not {above!r}")
+        above = float(above)
     slowed, _, own, own_by_name = _change(step["kernels"], compute["kernels"])
     exposed = float(step["exposed_ms"])
     host = float(step["host_late_ms"]) - float(compute["host_late_ms"])
     result: Dict[str, object] = {
         "step_window_ms": step["span_ms"], "compute_window_ms": compute["span_ms"],
-        "above_ms": above, "exposed_ms": exposed, "tail_ms": step["tail_ms"],
+        "above_ms": above, "window_above_ms": window_above,
+        "above_from": "windows" if timed_above_ms is None else "timed",
+        "exposed_ms": exposed, "tail_ms": step["tail_ms"],
         "slowed_ms": slowed, "own_ms": own, "host_ms": host,
         "rest_ms": above - exposed - slowed - own - host,
         "own_by_name": [{"name": _short(n), "ms": ms} for n, ms in own_by_name[:top]],
@@ -222,17 +258,24 @@ def from_telemetry(iteration_ms: Optional[float], tail_ms: Optional[float],
 
 
 def both_at_once(both: Dict[str, object], compute: Dict[str, object],
-                 comm: Optional[Dict[str, object]]) -> Dict[str, object]:
+                 comm: Optional[Dict[str, object]], comm_reason: Optional[str] = None
+                 ) -> Dict[str, object]:
     """What compute and communication cost each other: the compute kernels of the
     both-at-once window against compute only's (matched by name and count), its NCCL
-    kernels against comm only's; ms per iteration and the fraction of the time alone."""
+    kernels against comm only's; ms per iteration and the fraction of the time alone.
+    Without comm only's window the collectives are not measured, ``not_measured`` saying
+    why: ``comm_reason``, the cause the caller met (its window's own reason)."""
     slowed, base, _, _ = _change(both["kernels"], compute["kernels"])
     out: Dict[str, object] = {"compute_slowed_ms": slowed,
                               "compute_slowed": slowed / base if base else None,
-                              "comm_slowed_ms": None, "comm_slowed": None}
+                              "comm_slowed_ms": None, "comm_slowed": None,
+                              "not_measured": None}
     if comm is not None:
         c_slowed, c_base, _, _ = _change(both["collectives"], comm["collectives"])
         out.update(comm_slowed_ms=c_slowed, comm_slowed=c_slowed / c_base if c_base else None)
+    else:
+        out["not_measured"] = ("the comm only window: "
+                               + (comm_reason or "not measured: none was given"))
     return out
 
 
@@ -245,12 +288,16 @@ def _num(value: float, spec: str = ".1f") -> str:
 
 def _part(split_: Dict[str, object], key: str, label: str) -> str:
     value = split_.get(key)
-    return f"{label} not measured" if value is None else f"{_num(value)} {label}"
+    if value is None:
+        return f"{label} not measured"
+    text = f"{_num(value)} {label}"
+    return f"{text} ({BELOW[key]})" if _num(value).startswith("-") else text
 
 
 def verdict_line(split_: Dict[str, object]) -> str:
-    """One line: the parts of the step above compute only, and what a better order of the
-    collectives could win at most (the exposed communication outside the tail)."""
+    """One line: the parts of the step above compute only (host named as read under the
+    profiler; a negative part noted as less than compute only's), and what a better order
+    of the collectives could win at most (the exposed communication outside the tail)."""
     above = split_.get("above_ms")
     head = "of the step above compute" if above is None else f"of {_num(above)} ms above compute"
     exposed, tail = split_.get("exposed_ms"), split_.get("tail_ms")
@@ -263,7 +310,8 @@ def verdict_line(split_: Dict[str, object]) -> str:
     else:
         first = f"{_num(exposed)} exposed ({_num(tail)} of them the tail)"
     parts = [first, _part(split_, "slowed_ms", "compute slowed beside communication"),
-             _part(split_, "own_ms", "own device work"), _part(split_, "host_ms", "host"),
+             _part(split_, "own_ms", "own device work"),
+             _part(split_, "host_ms", "host under the profiler"),
              _part(split_, "rest_ms", "rest")]
     if exposed is None or tail is None:
         win = "what a better order can win is not measured"

@@ -24,10 +24,14 @@ import tempfile
 from typing import Dict, Optional
 
 from .errors import TelemetryError
-from .step_split import window_figures
+from .step_split import MARKER, window_figures
 from .timeline import load_complete, split_trace
 
-__all__ = ["ProfiledWindow", "unavailable_reason"]
+__all__ = ["ProfiledWindow", "unavailable_reason", "NO_DEVICE_ACTIVITY"]
+
+# The window was recorded, and the steps in it launched nothing on the device beyond the
+# markers (no kernel, copy or memset): nothing to read, rather than a window not recorded.
+NO_DEVICE_ACTIVITY = "not measured: the window ran no device activity"
 
 
 def unavailable_reason() -> Optional[str]:
@@ -128,7 +132,7 @@ class ProfiledWindow:
             self.profiler = None
             if self.trace_path is None:
                 os.unlink(path)
-        if not events:
-            self.reason = "not measured: the profiler recorded no GPU activity"
+        if all(MARKER in e["name"] for e in events):
+            self.reason = NO_DEVICE_ACTIVITY
             return None
         return window_figures(events, calls, self.iters)

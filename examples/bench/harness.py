@@ -40,7 +40,9 @@ from ``commsched.floor.floor_efficiency``, as ``commsched floor`` computes them.
   steps recorded by ``commsched.telemetry.window.ProfiledWindow`` (CUDA only); every mode
   after compute only gets its step above compute only split by cause (``"split"``,
   ``"split_verdict"``: ``commsched.telemetry.step_split``), as ``commsched floor`` splits
-  the hook's.
+  the hook's: the parts add up to the mode's timed median above compute only's (the
+  round that recorded compute only's window), the device parts read from the windows
+  (``window_above_ms``: the windows' own difference).
 * ``--sweep 1M/4M,4M/16M,...`` adds one mode per PARTITION/CREDIT pair (bytes as the
   settings read them, ``commsched.config.parse_bytes``: K/M/G are powers of 1024; 0 = no
   partitioning / unbounded credit): the commsched hook with that setting and telemetry on:
@@ -410,6 +412,7 @@ class Bench:
         self.steady_ms: List[float] = []    # the last time()'s interior step intervals
         self.marks = None       # the ProfiledWindow while BENCH_SPLIT records (train_step)
         self.window: Optional[Dict[str, Any]] = None    # its figures, for run_mode
+        self.window_reason: Optional[str] = None        # or why there are none
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
@@ -571,6 +574,7 @@ class Bench:
         recorder = ProfiledWindow(window)
         self.window = None
         if not recorder.start():
+            self.window_reason = recorder.reason
             return
         self.marks = recorder
         try:
@@ -581,6 +585,7 @@ class Bench:
         finally:
             self.marks = None
             self.window = recorder.stop()
+            self.window_reason = recorder.reason
 
     def profile(self, step: Callable[[], None], window: int, directory: Path,
                 quiesce: Optional[Callable[[], None]] = None) -> None:
@@ -714,22 +719,31 @@ def run_both_at_once(bench: Bench) -> Dict[str, Any]:
 
 
 def attach_split(bench: Bench, mode: "Mode", result: Dict[str, Any]) -> None:
-    """BENCH_SPLIT=1: keep compute only's window; set every later mode's against it."""
+    """BENCH_SPLIT=1: keep compute only's window and timed median; split every later
+    mode's timed median above it, the device parts from the two windows."""
+    if mode.name == "comm_only":
+        bench.cache["comm_only_window"] = bench.window
+        bench.cache["comm_only_window_reason"] = bench.window_reason
     if bench.window is None:
         return
-    if mode.name in ("compute_only", "comm_only"):
-        bench.cache[f"{mode.name}_window"] = bench.window
+    if mode.name == "compute_only":
+        bench.cache["compute_only_window"] = (bench.window, result.get("median_ms"))
         return
-    compute = bench.cache.get("compute_only_window")
-    if compute is None or mode.name == "comm_only_bf16":
+    if "compute_only_window" not in bench.cache or mode.name in ("comm_only",
+                                                                  "comm_only_bf16"):
         return
     from commsched.telemetry.step_split import both_at_once, split, verdict_line
 
-    result["split"] = split(bench.window, compute)
+    compute, compute_ms = bench.cache["compute_only_window"]
+    timed = (result["median_ms"] - compute_ms
+             if result.get("median_ms") is not None and compute_ms is not None else None)
+    result["split"] = split(bench.window, compute, timed_above_ms=timed)
     result["split_verdict"] = verdict_line(result["split"])
     if mode.name == "both_at_once":
-        result["both_at_once"] = both_at_once(bench.window, compute,
-                                              bench.cache.get("comm_only_window"))
+        result["both_at_once"] = both_at_once(
+            bench.window, compute, bench.cache.get("comm_only_window"),
+            bench.cache.get("comm_only_window_reason")
+            or "not measured: comm only has not run in this launch")
 
 
 # ``--set FIELD=VALUE``: Config fields every commsched mode of the launch runs with (a
@@ -1092,6 +1106,7 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     bench.steady_ms = []
     bench.kept = []
     bench.window = None
+    bench.window_reason = "not measured: the mode recorded no window"
     bench.mode_name = mode.name
     started = time.monotonic()
     memory_dir = os.environ.get("BENCH_MEMORY") if bench.cuda else None

@@ -12,7 +12,8 @@ micro-batch 8, sequence 1024, bf16 autocast, fused AdamW):
    timed steps, P more steps (recorded by ``ProfiledWindow`` with ``--record 1``, run
    alone with ``--record 0``), N timed steps again: compute only (DDP in ``no_sync``,
    recorded) and, over ``--rounds`` rounds interleaved, the data-parallel mode recorded and
-   not; the data-parallel mode's split against compute only, from the package;
+   not; the data-parallel mode's split against compute only, from the package: of the
+   timed steps before the window, the device parts from the two windows;
 3. a hand reading of each pair of traces by ``hand_read`` below (kernel time summed by
    name, nothing shared with the package): names whose count per iteration differs from
    compute only's, or that compute only lacks, are own work, the others' change is the
@@ -215,9 +216,12 @@ def run_floor(args) -> dict:
     return json.loads(proc.stdout)
 
 
-def compare(name: str, parts: dict, hand: dict, timed_above: Optional[float]) -> dict:
-    row = {"name": name, "timed_above_ms": timed_above, **{k: parts.get(k) for k in (
-        "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms")},
+def compare(name: str, parts: dict, hand: dict) -> dict:
+    """A table row: the package's split (``above_ms`` the timed step above compute only,
+    ``window_above_ms`` the windows' difference) against the hand reading."""
+    row = {"name": name, **{k: parts.get(k) for k in (
+        "above_ms", "window_above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms",
+        "host_ms", "rest_ms")},
         "hand_own_ms": hand["own_ms"], "hand_slowed_ms": hand["slowed_ms"],
         "hand_kernel_change_ms": hand["kernel_change_ms"]}
     row["own_diff_ms"] = abs(parts["own_ms"] - hand["own_ms"])
@@ -267,8 +271,7 @@ def driver(args) -> int:
         try:
             hand = hand_read(os.path.join(traces, "hook-rank0.json.gz"),
                              os.path.join(traces, "compute-rank0.json.gz"), args.profile_iters)
-            rows.append(compare("hook (floor)", floor["split"], hand,
-                                floor["split"].get("above_timed_ms")))
+            rows.append(compare("hook (floor)", floor["split"], hand))
         except (OSError, ValueError, KeyError) as exc:
             doc["hand_read_error"] = f"{type(exc).__name__}: {exc}"
 
@@ -283,12 +286,19 @@ def driver(args) -> int:
             save()
     dp = runs[1][0]
     if dp["window"] is not None and compute["window"] is not None:
-        parts = split(dp["window"], compute["window"])
+        # the timed steps before the window, of the launch the window is of
+        parts = split(dp["window"], compute["window"],
+                      timed_above_ms=dp["before_ms"] - compute["before_ms"])
         rows.append(compare("data-parallel", parts, hand_read(
-            dp["trace"], compute["trace"], args.profile_iters),
-            dp["before_ms"] - compute["before_ms"]))
+            dp["trace"], compute["trace"], args.profile_iters)))
     else:
-        parts = not_measured(dp["not_measured"] or compute["not_measured"] or "not measured")
+        # (one reason where both windows are missing for it, as on CPU; else each named)
+        missing = [(name, r["not_measured"] or "not measured: its result holds no window")
+                   for name, r in (("data-parallel", dp), ("compute only", compute))
+                   if r["window"] is None]
+        reason = (missing[0][1] if len(missing) == 2 and missing[0][1] == missing[1][1]
+                  else "; ".join(f"the {name} window: {why}" for name, why in missing))
+        parts = not_measured(reason, dp["before_ms"] - compute["before_ms"])
     doc["dp_split"] = parts
     doc["dp_verdict"] = verdict_line(parts)
     after_rec = statistics.median(x["after_ms"] for x in runs[1])
@@ -319,14 +329,15 @@ def driver(args) -> int:
           + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}" for x in runs[1])
           + "; not recorded " + ", ".join(f"{x['after_ms']:.2f}/{x['before_ms']:.2f}"
                                          for x in runs[0]))
-    print("| split, ms/step | timed above | above | exposed | tail | slowed | own | host | rest "
-          "| hand own | own diff | hand kernel change | kernel diff | parts/above |")
+    print("| split, ms/step | above (timed) | window above | exposed | tail | slowed | own "
+          "| host (profiled) | rest | hand own | own diff | hand kernel change | kernel diff "
+          "| parts/above |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['name']} | " + " | ".join(fmt(row[k]) for k in (
-            "timed_above_ms", "above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms",
-            "host_ms", "rest_ms", "hand_own_ms", "own_diff_ms", "hand_kernel_change_ms", "kernel_change_diff_ms",
-            "parts_sum_vs_above")) + " |")
+            "above_ms", "window_above_ms", "exposed_ms", "tail_ms", "slowed_ms", "own_ms",
+            "host_ms", "rest_ms", "hand_own_ms", "own_diff_ms", "hand_kernel_change_ms",
+            "kernel_change_diff_ms", "parts_sum_vs_above")) + " |")
     return 0
 
 

@@ -126,6 +126,52 @@ def test_split_parts_are_the_constructed_ones_and_add_up(tmp_path):
     assert s["not_measured"] == {}
 
 
+def test_with_a_timed_above_the_parts_add_up_to_it_and_the_device_parts_stay(tmp_path):
+    # The constructed windows are 32 us apart; the timed steps (outside the profiler) put
+    # the step 40 us above compute only. The split is of the timed 40: exposed, tail,
+    # slowed, own and host are the windows' (17, 14, 6, 4, 2), rest the remainder:
+    # 40 - 29 = 11 (the windows' 3 and the 8 the windows do not show).
+    step_w = figures(step(Trace()), tmp_path, "step")
+    compute_w = figures(compute_only(Trace()), tmp_path, "compute")
+    s = step_split.split(step_w, compute_w, timed_above_ms=0.040)
+    assert (s["above_ms"], s["window_above_ms"], s["above_from"]) == (
+        pytest.approx(0.040), pytest.approx(0.032), "timed")
+    expected = {"exposed_ms": 0.017, "tail_ms": 0.014, "slowed_ms": 0.006, "own_ms": 0.004,
+                "host_ms": 0.002, "rest_ms": 0.011}
+    assert {k: s[k] for k in expected} == pytest.approx(expected)
+    parts = sum(s[k] for k in ("exposed_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms"))
+    assert parts == pytest.approx(0.040, abs=1e-15)
+    assert s["not_measured"] == {}
+
+
+def test_without_a_timed_above_the_split_is_of_the_windows(tmp_path):
+    s = step_split.split(figures(step(Trace()), tmp_path, "step"),
+                         figures(compute_only(Trace()), tmp_path, "compute"))
+    assert s["above_ms"] == s["window_above_ms"] == pytest.approx(0.032)
+    assert s["above_from"] == "windows"
+
+
+def test_a_timed_above_below_the_windows_makes_rest_negative_and_still_adds_up(tmp_path):
+    step_w = figures(step(Trace()), tmp_path, "step")
+    compute_w = figures(compute_only(Trace()), tmp_path, "compute")
+    s = step_split.split(step_w, compute_w, timed_above_ms=0.020)
+    assert s["rest_ms"] == pytest.approx(0.020 - 0.029)
+    assert s["host_ms"] == pytest.approx(0.002)
+    parts = sum(s[k] for k in ("exposed_ms", "slowed_ms", "own_ms", "host_ms", "rest_ms"))
+    assert parts == pytest.approx(0.020, abs=1e-15)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "4.9", True, None])
+def test_a_timed_above_that_is_not_a_finite_number_is_refused_naming_it(bad):
+    w = {"span_ms": 1.0, "exposed_ms": 0.0, "host_late_ms": 0.0, "tail_ms": 0.0,
+         "kernels": {}}
+    if bad is None:             # (None: no timed figure, the windows' difference)
+        assert step_split.split(w, w, timed_above_ms=bad)["above_from"] == "windows"
+        return
+    with pytest.raises(TelemetryError, match="timed_above_ms must be a finite number"):
+        step_split.split(w, w, timed_above_ms=bad)
+
+
 def test_a_kernel_the_step_runs_more_often_is_own_work_and_fewer_is_negative():
     # per iteration: compute only runs "cast" once (2 us), the step 3 times (2 us each),
     # and "gemm" 4 times where compute only runs it 5 times (10 us each)
@@ -175,8 +221,24 @@ def test_verdict_line_names_each_part_and_what_an_order_can_win():
          "own_ms": 3.0, "host_ms": 2.0, "rest_ms": 2.0}
     assert step_split.verdict_line(s) == (
         "of 24.0 ms above compute: 9.0 exposed (6.0 of them the tail), 8.0 compute slowed "
-        "beside communication, 3.0 own device work, 2.0 host, 2.0 rest; a better order can "
-        "win at most the 3.0 ms of exposed communication outside the tail")
+        "beside communication, 3.0 own device work, 2.0 host under the profiler, 2.0 rest; "
+        "a better order can win at most the 3.0 ms of exposed communication outside the "
+        "tail")
+
+
+def test_verdict_line_says_a_negative_part_is_less_than_compute_only():
+    s = {"above_ms": 4.9, "exposed_ms": 0.0, "tail_ms": 0.0, "slowed_ms": -0.4,
+         "own_ms": -1.2, "host_ms": -5.9, "rest_ms": 12.4}
+    assert step_split.verdict_line(s) == (
+        "of 4.9 ms above compute: 0.0 exposed (0.0 of them the tail), -0.4 compute slowed "
+        "beside communication (faster than in compute only), -1.2 own device work (less "
+        "than compute only), -5.9 host under the profiler (less than compute only), 12.4 "
+        "rest; a better order can win at most the 0.0 ms of exposed communication outside "
+        "the tail")
+    s.update(host_ms=2.0, rest_ms=-1.7, own_ms=-0.04)     # -0.04 prints as 0.0: no note
+    line = step_split.verdict_line(s)
+    assert "-1.7 rest (less than compute only)" in line
+    assert "0.0 own device work," in line and "2.0 host under the profiler," in line
 
 
 def test_a_split_not_measured_is_never_zero():
@@ -202,7 +264,20 @@ def test_both_at_once_against_each_alone(tmp_path):
                                 figures(alone, tmp_path, "alone", 1),
                                 figures(comm, tmp_path, "comm", 1))
     assert b == pytest.approx({"compute_slowed_ms": 0.004, "compute_slowed": 0.2,
-                               "comm_slowed_ms": 0.004, "comm_slowed": 0.1})
+                               "comm_slowed_ms": 0.004, "comm_slowed": 0.1,
+                               "not_measured": None})
+
+
+def test_both_at_once_without_comm_onlys_window_says_the_callers_reason(tmp_path):
+    alone, both = Trace(), Trace()
+    alone.add("gemm", 0, 10)
+    both.add("gemm", 0, 12)
+    reason = "not measured: the window ran no device activity"
+    b = step_split.both_at_once(figures(both, tmp_path, "both", 1),
+                                figures(alone, tmp_path, "alone", 1), None, reason)
+    assert b["compute_slowed_ms"] == pytest.approx(0.002)
+    assert (b["comm_slowed_ms"], b["comm_slowed"]) == (None, None)
+    assert b["not_measured"] == f"the comm only window: {reason}"
 
 
 def test_recorded_fixture_traces_give_the_constructed_split():
@@ -319,6 +394,37 @@ def test_stopping_a_window_reads_the_exported_trace_and_keeps_it_only_where_aske
         assert w.stop() == expected
         assert not w.active and w.profiler is None
         assert (Path(exported[-1]).exists()) == (kept is not None)
+
+
+@pytest.mark.parametrize("only_markers", [True, False])
+def test_a_window_whose_steps_ran_nothing_on_the_device_says_so(monkeypatch, tmp_path,
+                                                                 only_markers):
+    """A window recorded around steps that launch no kernel, copy or memset (an in-place
+    NCCL sum at world size 1): the reason is that, not a missing window."""
+    import torch
+
+    from commsched.telemetry import window
+
+    tr = Trace()
+    if only_markers:
+        tr.add(MARK, 0, 0.5)
+        tr.add(MARK, 10, 0.5)
+    source = tr.write(tmp_path / "empty.json.gz")
+
+    class Profiler:
+        def __exit__(self, *exc):
+            pass
+
+        def export_chrome_trace(self, path):
+            with gzip.open(source, "rb") as f, gzip.open(path, "wb") as out:
+                out.write(f.read())
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    w = window.ProfiledWindow(1, str(tmp_path / "kept.json.gz"))
+    w.profiler, w.active = Profiler(), True
+    assert w.stop() is None
+    assert w.reason == window.NO_DEVICE_ACTIVITY == (
+        "not measured: the window ran no device activity")
 
 
 def write_fixtures(directory: Path = FIXTURES) -> None:     # pragma: no cover
