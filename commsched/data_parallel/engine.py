@@ -39,6 +39,7 @@ from commsched.scheduler import Scheduler
 from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
 from .groups import LayerGroup, build_groups, grad_view_class, narrows, plain, sent
 from .sparse import SparseSlot, find_sparse_embeddings
+from .storage import count_owned
 from .submission import GradientSubmission
 from .update import PER_GROUP, params_by_group, snapshot, step_subset, update_mode
 
@@ -174,6 +175,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self._register_hooks(module_groups)
         for g in self.sparse_groups:
             g.sparse.module.forward = g.sparse.lookup
+        count_owned(self.groups)
 
     def _lane_config(self, config: Config) -> Config:
         """The configuration of the engine's own scheduler: ``config``, with a credit window
@@ -200,12 +202,27 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         """Whether each layer group goes as one collective."""
         return self.partition_bytes == WHOLE or not self.scheduler.config.partition_bytes
 
+    @property
+    def views_known(self) -> bool:
+        """Whether every view of a group buffer that outlives its request is the engine's
+        own (storage.py): whole groups all-reduced; partitioned chunks are views the lane
+        keeps into the next iteration."""
+        return self.whole_groups
+
     def _allocate(self) -> None:
         for g in self.groups:
             g.allocate(self.view_cls, flags=True)
             if (self.reduce_dtype is not None and narrows(g.dtype, self.reduce_dtype)
                     and id(g.params[0]) not in self._rows_only_weights):
                 g.allocate_comm(self.reduce_dtype)
+        # What a group's usage flags are set from when every parameter got a gradient:
+        # copied with the gradients, in the same multi-tensor copy (see _adopt), not one
+        # fill kernel per group and step.
+        sizes: Dict[torch.dtype, int] = {}
+        for g in self.groups:
+            sizes[g.dtype] = max(sizes.get(g.dtype, 0), len(g.params))
+        self._ones = {dtype: torch.ones(n, dtype=dtype, device=self.groups[0].device)
+                      for dtype, n in sizes.items()}
 
     def _adopt_existing_grads(self) -> None:
         with torch.no_grad(), plain():

@@ -71,6 +71,10 @@ class ZeroEngine(DataParallelEngine):
     def whole_groups(self) -> bool:
         return True             # reduce-scatters and all-gathers always go WHOLE
 
+    @property
+    def views_known(self) -> bool:
+        return False            # an averaged reduce-scatter's chunks are views of the buffer
+
     def __init__(self, module, optimizer, config, group=None, **kwargs):
         if not is_elementwise(optimizer):
             raise UnsupportedError(
