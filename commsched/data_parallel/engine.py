@@ -293,6 +293,9 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         before a forward that follows a synchronised training forward, as DDP does."""
         self._check_open("a forward")
         if self._buffers_stale and self.buffer_group is not None:
+            # This broadcast's per-step kernels (the collective; a copy in and out where a
+            # dtype has several buffers) are DDP's too (broadcast_buffers=True): every
+            # rank's forward must see rank 0's buffers, whatever a forward did to them.
             _broadcast(self.buffers, self.buffer_group, self.src)
         grad = torch.is_grad_enabled()
         self._buffers_stale = grad and sync
@@ -423,6 +426,11 @@ def _broadcast(tensors: List[torch.Tensor], group, src: int) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for ts in by_dtype.values():
+            if len(ts) == 1 and ts[0].is_contiguous():
+                # (in place: no copy into a flat tensor and back for one buffer, say a
+                # rotary embedding's frequencies, broadcast at every training forward)
+                dist.broadcast(ts[0], src, group=group)
+                continue
             flat = torch.cat([t.reshape(-1) for t in ts])
             dist.broadcast(flat, src, group=group)
             off = 0
