@@ -304,3 +304,50 @@ def test_rs_ag_releases_gradients_never_the_parameters(ranks):
         assert r["after_drain"] == [False] * 3
         assert r["params_stored"] == [True] * 3
         assert r["diff"] < 1e-6
+
+
+@pytest.mark.parametrize("config", [{}, {"grad_reduce_dtype": "bfloat16"},
+                                    {"decompose": "rs_ag"}], ids=["fp32", "bf16", "rs_ag"])
+def test_world_size_1_issues_every_collective_of_two_ranks(world1, monkeypatch, config):
+    """One rank takes the path of two: every layer group's collectives are issued every
+    iteration (nothing is skipped because the group has one rank), and the memory comes
+    and goes as it does there. Counted where the lane issues each collective."""
+    import commsched
+    import commsched.issue as issue
+    from commsched.config import Config
+
+    issued = []
+    issue_step = issue.issue_step
+
+    def counting(chunk, step):
+        issued.append((chunk.request.steps[step], chunk.request.key))
+        return issue_step(chunk, step)
+
+    monkeypatch.setattr(issue, "issue_step", counting)
+    torch.manual_seed(0)
+    net = SmallNet()
+    model, opt = commsched.wrap(net, _adamw(net.parameters()), Config(group_bytes=0, **config))
+    stored = []
+    for step in range(STEPS):
+        x, y = _batch(0, step)
+        F.mse_loss(model(x), y).backward()
+        # in bfloat16 what backward writes is the copy in that type
+        stored.append(_comm_stored(model) if "grad_reduce_dtype" in config else _stored(model))
+        opt.step()
+        opt.zero_grad()
+    model.drain()
+    released = _stored(model)
+    model.close()
+    groups = [0, 1, 2]
+    if config.get("decompose") == "rs_ag":
+        # per iteration: the reduce-scatters, the usage flags' all-reduce, the all-gathers
+        assert sorted(k for op, k in issued if op == "reduce_scatter") == sorted(
+            ("rs", g) for g in groups * STEPS)
+        assert sorted(k for op, k in issued if op == "all_gather") == sorted(
+            ("ag", g) for g in groups * STEPS)
+        assert [k for op, k in issued if op == "all_reduce"] == ["used"] * STEPS
+    else:
+        assert sorted(k for _, k in issued) == sorted(groups * STEPS)
+        assert {op for op, _ in issued} == {"all_reduce"}
+    assert stored == [[True] * 3] * STEPS
+    assert released == [False] * 3
