@@ -3,7 +3,7 @@ in one launch per network regime, following the project's benchmark protocol.
 
     python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
 
-For each regime the harness spawns its own workers (``--world-size``, default 2; NCCL on
+For each regime the harness spawns its own workers (``--world-size``, default 2, 1 allowed; NCCL on
 GPUs when CUDA has a GPU per worker, else gloo on CPU, which is only meant for the smoke
 test), sets the regime's NCCL
 environment before the process group starts, and for each model runs every mode of
@@ -15,7 +15,8 @@ Output: a JSON document (``--out``) with the system, the environment, per-mode s
 and per-iteration times, and a markdown table printed last on stdout. The exit status is 0
 when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung.
 
-Modes: the protocol's canonical set (``MODES``: compute only, comm only and the floor in
+Modes: the protocol's canonical set (``MODES``: the plain loop without DDP or commsched,
+compute only, comm only and the floor in
 float32 and bfloat16, DDP and DDP + ``bf16_compress_hook``, the commsched hook with and
 without telemetry, the data-parallel mode in float32, bfloat16 and rs_ag). Any other
 setting is a variant of a commsched mode, not a mode of its own: ``--modes
