@@ -221,8 +221,9 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         sizes: Dict[torch.dtype, int] = {}
         for g in self.groups:
             sizes[g.dtype] = max(sizes.get(g.dtype, 0), len(g.params))
-        self._ones = {dtype: torch.ones(n, dtype=dtype, device=self.groups[0].device)
-                      for dtype, n in sizes.items()}
+        ones = {dtype: torch.ones(n, dtype=dtype, device=self.groups[0].device)
+                for dtype, n in sizes.items()}
+        self._ones = [ones[g.dtype].narrow(0, 0, len(g.params)) for g in self.groups]
 
     def _adopt_existing_grads(self) -> None:
         with torch.no_grad(), plain():

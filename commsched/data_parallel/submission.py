@@ -214,7 +214,7 @@ class GradientSubmission:
                 src.append(g.grads[j])
         if flags and g.flags is not None:
             dst.append(g.flags if into is None else g.comm_flags)
-            src.append(self._ones[g.dtype].narrow(0, 0, len(g.params)))
+            src.append(self._ones[g.index])
         if dst or zero:
             with torch.no_grad(), plain():
                 if dst:
