@@ -8,6 +8,9 @@ gates that run them.
   same point run as one optimizer step (at step(), zero_grad(), drain(), and the first
   pre-hook of a forward): a step() call costs a fixed amount of Python whatever its size,
   and with many layer groups per-group steps cost more CPU than the whole update of DDP.
+  It costs the device a little too: each call adds its own small kernels (a fused or
+  foreach optimizer's step counters' increment, a partly filled last launch of each of
+  its multi-tensor kernels), which the batching keeps to a few calls per iteration.
 
 State owned here (the engine's, see engine.py): each group's ``request`` and ``actions``,
 the forward pre-hooks installed while a group is pending (``_module_hooks``,
