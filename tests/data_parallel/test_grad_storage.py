@@ -11,6 +11,7 @@ beside the largest difference of the parameters (or outputs) from DDP's. One
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -108,8 +109,8 @@ def _bf16(rank):
             "diff": _diff(model, ddp)}
 
 
-def _keep_zeroed(rank):
-    ddp, ddp_opt, model, opt = _pair()
+def _keep_zeroed(rank, bf16=False):
+    ddp, ddp_opt, model, opt = _pair(bf16=bf16)
     for step in range(STEPS):
         _step_both(ddp, ddp_opt, model, opt, rank, step, set_to_none=False)
     model.drain()
@@ -118,8 +119,8 @@ def _keep_zeroed(rank):
             "grads_zero": all(g is not None and not g.any() for g in grads)}
 
 
-def _no_sync(rank):
-    ddp, ddp_opt, model, opt = _pair()
+def _no_sync(rank, bf16=False):
+    ddp, ddp_opt, model, opt = _pair(bf16=bf16)
     under_no_sync = []
     for step in range(STEPS):
         for m in (ddp, model):
@@ -133,8 +134,8 @@ def _no_sync(rank):
             "diff": _diff(model, ddp)}
 
 
-def _clip_and_scaler(rank):
-    ddp, ddp_opt, model, opt = _pair(reads_grads=True)
+def _clip_and_scaler(rank, bf16=False):
+    ddp, ddp_opt, model, opt = _pair(reads_grads=True, bf16=bf16)
     scalers = [torch.amp.GradScaler("cpu", init_scale=4.0) for _ in range(2)]
     read = []
     for step in range(STEPS):
@@ -215,7 +216,12 @@ def _rs_ag(rank):
 SCENARIOS = {"default": _default, "bf16": _bf16, "keep_zeroed": _keep_zeroed,
              "no_sync": _no_sync, "clip_and_scaler": _clip_and_scaler,
              "drain_then_eval": _drain_then_eval, "checkpoint": _checkpoint,
-             "kept_grad": _kept_grad, "rs_ag": _rs_ag}
+             "kept_grad": _kept_grad, "rs_ag": _rs_ag,
+             # the loops that keep gradients, with bfloat16 all-reduces (against DDP with
+             # PyTorch's bf16_compress_hook)
+             "bf16_keep_zeroed": functools.partial(_keep_zeroed, bf16=True),
+             "bf16_no_sync": functools.partial(_no_sync, bf16=True),
+             "bf16_clip_and_scaler": functools.partial(_clip_and_scaler, bf16=True)}
 
 
 def _worker(rank, world_size, out_dir):
@@ -257,22 +263,25 @@ def test_bfloat16_copies_live_from_backward_to_the_cast_back(ranks):
         assert r["diff"] == 0.0       # DDP with PyTorch's bf16_compress_hook
 
 
-def test_zero_grad_keeping_tensors_keeps_the_memory_and_zeroes_it(ranks):
-    for r in _all(ranks, "keep_zeroed"):
+@pytest.mark.parametrize("name", ["keep_zeroed", "bf16_keep_zeroed"])
+def test_zero_grad_keeping_tensors_keeps_the_memory_and_zeroes_it(ranks, name):
+    for r in _all(ranks, name):
         assert r["after_drain"] == [True] * 3
         assert r["grads_zero"]
         assert r["diff"] == 0.0
 
 
-def test_no_sync_accumulation_restores_at_the_first_micro_batch(ranks):
-    for r in _all(ranks, "no_sync"):
+@pytest.mark.parametrize("name", ["no_sync", "bf16_no_sync"])
+def test_no_sync_accumulation_restores_at_the_first_micro_batch(ranks, name):
+    for r in _all(ranks, name):
         assert r["under_no_sync"] == [[True] * 3] * STEPS
         assert r["after_drain"] == [False] * 3
         assert r["diff"] == 0.0
 
 
-def test_clip_grad_norm_and_grad_scaler_read_gradients_that_are_there(ranks):
-    for r in _all(ranks, "clip_and_scaler"):
+@pytest.mark.parametrize("name", ["clip_and_scaler", "bf16_clip_and_scaler"])
+def test_clip_grad_norm_and_grad_scaler_read_gradients_that_are_there(ranks, name):
+    for r in _all(ranks, name):
         assert r["read"] == [[True] * 3] * STEPS
         assert r["after_drain"] == [False] * 3
         assert r["diff"] == 0.0
