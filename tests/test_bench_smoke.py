@@ -28,9 +28,10 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 # Modes the harness measures itself, with no commsched API involved: these must run.
-HARNESS_OWN_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "both_at_once")
+HARNESS_OWN_MODES = ("plain", "compute_only", "ddp_default", "comm_only", "floor", "both_at_once")
 # The canonical set, in table order.
-ALL_MODES = ("compute_only", "ddp_default", "comm_only", "floor", "both_at_once", "comm_only_bf16",
+ALL_MODES = ("plain", "compute_only", "ddp_default", "comm_only", "floor", "both_at_once",
+             "comm_only_bf16",
              "floor_bf16", "ddp_bf16_hook", "ddp_commsched", "ddp_commsched_telemetry",
              "commsched_dp", "commsched_dp_bf16", "commsched_dp_zero")
 # Modes that run another mode's code with other settings (not run by the smoke test).
@@ -377,7 +378,7 @@ def test_dp_nccl_options_adds_its_modes_to_the_harness_and_says_na_without_nccl(
 
 
 def test_harness_rejects_bad_options_naming_the_flag():
-    for args, flag in ((["--world-size", "1"], "--world-size"), (["--rounds", "0"], "--rounds"),
+    for args, flag in ((["--world-size", "0"], "--world-size"), (["--rounds", "0"], "--rounds"),
                        (["--sweep", "4M"], "--sweep"), (["--sweep", "4X/1M"], "--sweep"),
                        (["--dp-sweep", "4M/1M,4M/1M"], "--dp-sweep"),
                        (["--dp-sweep", "1M"], "--dp-sweep"),
@@ -387,6 +388,31 @@ def test_harness_rejects_bad_options_naming_the_flag():
                        (["--modes", "commsched_dp@plan_forward=2"], "--modes")):
         proc = run_script("harness.py", ["--cpu", *args], timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_world_size_1_trains_every_mode_as_the_plain_loop_does(tmp_path):
+    """One rank: the same code paths as at two (every collective still issued), so DDP's
+    and the data-parallel modes' losses equal the plain loop's step by step (gloo divides
+    by one and sums alone); beyond_plain.py tables them against plain, its table last."""
+    out = tmp_path / "one.json"
+    proc = run_script("harness.py", ["--model", "gpt", "--quick", "--cpu", "--world-size", "1",
+                                     "--warmup", "1", "--iters", "2", "--timeout", "200",
+                                     "--modes", "plain,ddp_default,commsched_dp,commsched_dp_zero",
+                                     "--out", str(out)],
+                      timeout=240, env={"BENCH_LOSSES": "1"})
+    assert proc.returncode == 0, explain(proc)
+    modes = json.loads(out.read_text())["launches"][0]["runs"][0]["modes"]
+    plain = modes["plain"]["losses"]
+    assert len(plain) == 1 and len(plain[0]) == 3           # one round, 1 + 2 steps
+    for name in ("ddp_default", "commsched_dp", "commsched_dp_zero"):
+        assert modes[name]["losses"] == plain, name
+    table = run_script("beyond_plain.py", [str(out)], timeout=60)
+    assert table.returncode == 0, explain(table)
+    rows = [line for line in table.stdout.splitlines() if line.startswith("| gpt |")]
+    assert [row.split(" | ")[1] for row in rows] == [
+        "plain", "ddp_default", "commsched_dp", "commsched_dp_zero"]
+    assert all(row.rstrip(" |").endswith(" 0") for row in rows[1:]), rows   # loss - DDP's
+    assert last_line(table.stdout) == rows[-1]
 
 
 def test_merge_round_pools_samples_and_keeps_the_largest_peak():

@@ -12,6 +12,7 @@ the group — just before the next forward needs it.
   update.py   per-group optimizer steps with recorded hyper-parameters
   zero.py     the rs_ag variant: reduce-scatter, sharded (ZeRO-1) update, all-gather
   sparse.py   embedding gradients as rows (Config.sparse_embedding_rows)
+  storage.py  when a group's gradient memory exists (released after its update)
 
 What falls back, and what is not supported:
 - Reading gradients between backward() and the updates (clip_grad_norm_, GradScaler's

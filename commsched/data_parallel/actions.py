@@ -8,6 +8,9 @@ gates that run them.
   same point run as one optimizer step (at step(), zero_grad(), drain(), and the first
   pre-hook of a forward): a step() call costs a fixed amount of Python whatever its size,
   and with many layer groups per-group steps cost more CPU than the whole update of DDP.
+  It costs the device a little too: each call adds its own small kernels (a fused or
+  foreach optimizer's step counters' increment, a partly filled last launch of each of
+  its multi-tensor kernels), which the batching keeps to a few calls per iteration.
 
 State owned here (the engine's, see engine.py): each group's ``request`` and ``actions``,
 the forward pre-hooks installed while a group is pending (``_module_hooks``,
@@ -23,6 +26,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .groups import LayerGroup, plain
+from .storage import need_grads, release_comm, release_grads
 from .update import StepRecord, step_subset
 
 __all__ = ["DeferredActions", "ModuleHook", "UPDATE", "ZERO"]
@@ -207,10 +211,17 @@ class DeferredActions:
     @staticmethod
     def _unpack(g: LayerGroup) -> None:
         """The group's all-reduce completed (its request waited for): with a narrower
-        communication type, its result back into the gradient buffer."""
+        communication type, its result cast back into the gradient buffer, which needs no
+        memory before that (storage.py), and the copy's memory goes.
+
+        The cast is a multi-tensor copy: its kernel reads and writes contiguous, aligned
+        vectors, at the speed of the bytes, where ``Tensor.copy_`` between bfloat16 and
+        float32 runs PyTorch's unrolled element-by-element cast."""
         if g.comm is not None:
+            need_grads(g)
             with torch.no_grad(), plain():
-                g.buffer.copy_(g.comm)
+                torch._foreach_copy_([g.buffer], [g.comm])
+            release_comm(g)
 
     def _run(self, g: LayerGroup, action) -> None:
         kind, arg = action
@@ -241,23 +252,30 @@ class DeferredActions:
             step_subset(self.optimizer, record, sorted(by_k.items()))
 
     def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
-        if g.fully_owned and not set_to_none:
+        if g.fully_owned and not set_to_none and not g.released:
             g.buffer.zero_()
         self._zero_slots(g, set_to_none)
+        if set_to_none:
+            release_grads(g, self.views_known)
 
     def _run_zeros(self, groups: List[LayerGroup], set_to_none: bool) -> None:
         if not set_to_none:
-            buffers = [g.buffer for g in groups if g.fully_owned]
+            buffers = [g.buffer for g in groups if g.fully_owned and not g.released]
             if buffers:
                 torch._foreach_zero_(buffers)      # one call, not one per group
         for g in groups:
             self._zero_slots(g, set_to_none)
+            if set_to_none:
+                release_grads(g, self.views_known)
 
     def _zero_slots(self, g: LayerGroup, set_to_none: bool) -> None:
         """zero_grad() of the group's parameters, its buffer already zeroed if the
         optimizer owns all of them and the gradients stay tensors. Set to None, a slot
         keeps its old values: the next backward overwrites it (see _grad_pre_hook), or
-        zeroes it if its parameter gets no gradient (_prepare_submit)."""
+        zeroes it if its parameter gets no gradient (_prepare_submit). Where no parameter
+        of the group keeps a gradient then, the caller gives its memory back
+        (storage.py); a released group's slots hold nothing to zero, and stay not known
+        to be zero."""
         first = g.first
         for j, p in enumerate(g.params):
             if not g.owned[j]:
@@ -273,6 +291,8 @@ class DeferredActions:
             if set_to_none:
                 p.grad = None
                 self.clean[first + j] = False
+                continue
+            if g.released:
                 continue
             if not g.fully_owned:
                 g.grads[j].zero_()

@@ -39,6 +39,7 @@ from commsched.scheduler import Scheduler
 from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
 from .groups import LayerGroup, build_groups, grad_view_class, narrows, plain, sent
 from .sparse import SparseSlot, find_sparse_embeddings
+from .storage import count_owned
 from .submission import GradientSubmission
 from .update import PER_GROUP, params_by_group, snapshot, step_subset, update_mode
 
@@ -174,6 +175,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self._register_hooks(module_groups)
         for g in self.sparse_groups:
             g.sparse.module.forward = g.sparse.lookup
+        count_owned(self.groups)
 
     def _lane_config(self, config: Config) -> Config:
         """The configuration of the engine's own scheduler: ``config``, with a credit window
@@ -200,12 +202,28 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         """Whether each layer group goes as one collective."""
         return self.partition_bytes == WHOLE or not self.scheduler.config.partition_bytes
 
+    @property
+    def views_known(self) -> bool:
+        """Whether every view of a group buffer that outlives its request is the engine's
+        own (storage.py): whole groups all-reduced; partitioned chunks are views the lane
+        keeps into the next iteration."""
+        return self.whole_groups
+
     def _allocate(self) -> None:
         for g in self.groups:
             g.allocate(self.view_cls, flags=True)
             if (self.reduce_dtype is not None and narrows(g.dtype, self.reduce_dtype)
                     and id(g.params[0]) not in self._rows_only_weights):
                 g.allocate_comm(self.reduce_dtype)
+        # What a group's usage flags are set from when every parameter got a gradient:
+        # copied with the gradients, in the same multi-tensor copy (see _adopt), not one
+        # fill kernel per group and step.
+        sizes: Dict[torch.dtype, int] = {}
+        for g in self.groups:
+            sizes[g.dtype] = max(sizes.get(g.dtype, 0), len(g.params))
+        ones = {dtype: torch.ones(n, dtype=dtype, device=self.groups[0].device)
+                for dtype, n in sizes.items()}
+        self._ones = [ones[g.dtype].narrow(0, 0, len(g.params)) for g in self.groups]
 
     def _adopt_existing_grads(self) -> None:
         with torch.no_grad(), plain():
@@ -276,6 +294,9 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         before a forward that follows a synchronised training forward, as DDP does."""
         self._check_open("a forward")
         if self._buffers_stale and self.buffer_group is not None:
+            # This broadcast's per-step kernels (the collective; a copy in and out where a
+            # dtype has several buffers) are DDP's too (broadcast_buffers=True): every
+            # rank's forward must see rank 0's buffers, whatever a forward did to them.
             _broadcast(self.buffers, self.buffer_group, self.src)
         grad = torch.is_grad_enabled()
         self._buffers_stale = grad and sync
@@ -406,6 +427,11 @@ def _broadcast(tensors: List[torch.Tensor], group, src: int) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     with torch.no_grad():
         for ts in by_dtype.values():
+            if len(ts) == 1 and ts[0].is_contiguous():
+                # (in place: no copy into a flat tensor and back for one buffer, say a
+                # rotary embedding's frequencies, broadcast at every training forward)
+                dist.broadcast(ts[0], src, group=group)
+                continue
             flat = torch.cat([t.reshape(-1) for t in ts])
             dist.broadcast(flat, src, group=group)
             off = 0

@@ -86,6 +86,9 @@ class LayerGroup:
         # the gradients in the communication type (COMMSCHED_GRAD_REDUCE_DTYPE), or None;
         # its per-parameter views and usage flags, as in the buffer
         "comm", "comm_grads", "comm_flags",
+        # storage.py: the buffer's (and the copy's) memory given back to the allocator; the
+        # tensors of the engine's own on the buffer's storage, and references to its views
+        "released", "comm_released", "uses", "view_refs",
     )
 
     def __init__(self, index: int, named: Sequence[Tuple[str, torch.nn.Parameter]], first: int):
@@ -127,6 +130,10 @@ class LayerGroup:
         self.comm: Optional[torch.Tensor] = None
         self.comm_grads: List[torch.Tensor] = []
         self.comm_flags: Optional[torch.Tensor] = None
+        self.released = False
+        self.comm_released = False
+        self.uses = 0
+        self.view_refs = 0
 
     @property
     def nbytes(self) -> int:

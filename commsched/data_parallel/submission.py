@@ -31,6 +31,7 @@ from commsched.errors import DataParallelError
 
 from .actions import UPDATE
 from .groups import LayerGroup, copy_flags, plain, sent
+from .storage import need_comm, need_grads
 
 __all__ = ["GradientSubmission"]
 
@@ -68,6 +69,8 @@ class GradientSubmission:
                     "commsched.drain(model) before such a forward, or use "
                     "DistributedDataParallel for this model.")
             self._settle(g)
+        if g.released and (not self.sync or grad.is_sparse):
+            need_grads(g)       # accumulated into the slot from the first (storage.py)
         self._before_accumulate(g, i)
         p = self.params[i]
         if p.grad is None and grad.is_sparse:
@@ -170,21 +173,28 @@ class GradientSubmission:
 
     def _prepare_submit(self, g: LayerGroup) -> None:
         """Make what the group sends (its buffer, or its copy in the communication type) hold
-        exactly this rank's contribution: .grad if defined, else 0."""
-        self._adopt(g, zero_missing=True, into=None if g.comm is None else g.comm_grads)
+        exactly this rank's contribution: .grad if defined, else 0; and its usage flags
+        all 1 where every parameter got a gradient (else _submit sets them)."""
         g.all_used = g.ready == len(g.params)
+        self._adopt(g, zero_missing=True, into=None if g.comm is None else g.comm_grads,
+                    flags=g.all_used)
 
     def _adopt(self, g: LayerGroup, zero_missing: bool = False,
-               into: Optional[List[torch.Tensor]] = None) -> None:
+               into: Optional[List[torch.Tensor]] = None, flags: bool = False) -> None:
         """Copy into their slots the group's gradients that are not slot views (handed
         over by autograd, or set by the caller), in one multi-tensor copy, and make .grad
-        the slot; ``zero_missing``: zero the slots of parameters without a gradient.
+        the slot; ``zero_missing``: zero the slots of parameters without a gradient;
+        ``flags``: set the group's usage flags to 1 in the same copy.
 
         ``into`` (the per-parameter views of the group's copy in the communication type):
         copy every gradient there instead, from its slot or from where it was handed
         over, cast in the same copy, and zero there every missing one. The slots are
         then written once, by the cast back (_unpack), not once more before it."""
         first = g.first
+        if into is None:
+            need_grads(g)
+        else:
+            need_comm(g)
         dst, src, zero = [], [], []
         for j, p in enumerate(g.params):
             grad = p.grad
@@ -202,6 +212,9 @@ class GradientSubmission:
             elif into is not None:
                 dst.append(into[j])
                 src.append(g.grads[j])
+        if flags and g.flags is not None:
+            dst.append(g.flags if into is None else g.comm_flags)
+            src.append(self._ones[g.index])
         if dst or zero:
             with torch.no_grad(), plain():
                 if dst:
@@ -218,11 +231,9 @@ class GradientSubmission:
             g.all_used = True           # (its gradient is the rows: _submit_rows)
             return
         self._prepare_submit(g)
-        flags = g.flags if g.comm is None else g.comm_flags
-        if g.all_used:
-            flags.fill_(1)
-        else:
-            copy_flags(flags, self.used[g.first:g.first + len(g.params)])
+        if not g.all_used:
+            copy_flags(g.flags if g.comm is None else g.comm_flags,
+                       self.used[g.first:g.first + len(g.params)])
         request = self.scheduler.submit(sent(g), key=g.index, priority=g.priority,
                                         group=self.reduce_group, average=True,
                                         decompose="none",

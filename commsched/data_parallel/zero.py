@@ -71,6 +71,10 @@ class ZeroEngine(DataParallelEngine):
     def whole_groups(self) -> bool:
         return True             # reduce-scatters and all-gathers always go WHOLE
 
+    @property
+    def views_known(self) -> bool:
+        return False            # an averaged reduce-scatter's chunks are views of the buffer
+
     def __init__(self, module, optimizer, config, group=None, **kwargs):
         if not is_elementwise(optimizer):
             raise UnsupportedError(
@@ -164,6 +168,8 @@ class ZeroEngine(DataParallelEngine):
     def _end_iteration(self) -> None:
         copy_flags(self.used_buf, self.used)
         self._used_cache = None
+        # Which parameters some rank used, as DDP's find_unused_parameters learns it: the
+        # per-iteration small kernels of this mode (a fill of the flags, the collective).
         # A few bytes: one all-reduce, not the lane's reduce-scatter + all-gather.
         self.used_request = self.scheduler.submit(self.used_buf, key="used", priority=-1,
                                                   group=self.reduce_group, decompose="none")

@@ -3,7 +3,7 @@ in one launch per network regime, following the project's benchmark protocol.
 
     python examples/bench/harness.py --model gpt --regime nvlink --out gpt_nvlink.json
 
-For each regime the harness spawns its own workers (``--world-size``, default 2; NCCL on
+For each regime the harness spawns its own workers (``--world-size``, default 2, 1 allowed; NCCL on
 GPUs when CUDA has a GPU per worker, else gloo on CPU, which is only meant for the smoke
 test), sets the regime's NCCL
 environment before the process group starts, and for each model runs every mode of
@@ -15,7 +15,8 @@ Output: a JSON document (``--out``) with the system, the environment, per-mode s
 and per-iteration times, and a markdown table printed last on stdout. The exit status is 0
 when every mode ran or was n/a, 1 when a mode failed or a worker crashed or hung.
 
-Modes: the protocol's canonical set (``MODES``: compute only, comm only and the floor in
+Modes: the protocol's canonical set (``MODES``: the plain loop without DDP or commsched,
+compute only, comm only and the floor in
 float32 and bfloat16, DDP and DDP + ``bf16_compress_hook``, the commsched hook with and
 without telemetry, the data-parallel mode in float32, bfloat16 and rs_ag). Any other
 setting is a variant of a commsched mode, not a mode of its own: ``--modes
@@ -413,6 +414,7 @@ class Bench:
         self.marks = None       # the ProfiledWindow while BENCH_SPLIT records (train_step)
         self.window: Optional[Dict[str, Any]] = None    # its figures, for run_mode
         self.window_reason: Optional[str] = None        # or why there are none
+        self.losses: Optional[List[torch.Tensor]] = None    # BENCH_LOSSES: every step's
 
     def telemetry_dir(self, mode_name: str) -> str:
         """Where ``mode_name`` records its telemetry: under ``--telemetry-root`` (a fresh
@@ -468,6 +470,8 @@ class Bench:
                 probe.mark()
             with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.cuda):
                 loss = loss_fn(model(inputs), targets)
+            if self.losses is not None:
+                self.losses.append(loss.detach())     # (read after the mode: no sync here)
             if probe is not None:
                 probe.mark()
             marks = self.marks
@@ -626,6 +630,14 @@ class Bench:
 # ---------------------------------------------------------------------------------------
 # Modes
 # ---------------------------------------------------------------------------------------
+
+def run_plain(bench: Bench) -> Dict[str, Any]:
+    """The same loop without DDP and without commsched: the step and the memory every
+    data-parallel mode is held against (at world size 1, what data parallelism adds)."""
+    model = bench.build_model()
+    step = bench.train_step(model, bench.optimizer(model.parameters()))
+    return {"iter_ms": bench.time(step)}
+
 
 def run_compute_only(bench: Bench) -> Dict[str, Any]:
     """The DDP step inside ``no_sync()``: no gradient communication (the compute floor)."""
@@ -871,6 +883,7 @@ class Mode:
 # Run order = table order. ddp_default runs before comm_only, which reuses the bucket sizes
 # that DDP settled on.
 MODES: List[Mode] = [
+    Mode("plain", "0 plain loop (no DDP, no commsched)", run_plain),
     Mode("compute_only", "1 compute only (no_sync)", run_compute_only),
     Mode("ddp_default", "4 DDP default (25 MiB buckets)", run_ddp_default),
     Mode("comm_only", "2 comm only (DDP buckets, all-reduce)", run_comm_only),
@@ -1100,7 +1113,9 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     if bench.cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(bench.device)
+        torch.cuda.reset_accumulated_memory_stats(bench.device)   # (num_alloc_retries)
     failed = 0
+    bench.losses = [] if os.environ.get("BENCH_LOSSES") == "1" else None
     bench.cpu_ms = None
     bench.phases = bench.threads = None
     bench.steady_ms = []
@@ -1134,6 +1149,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
         if bench.threads is not None:
             result["threads"] = [bench.threads]      # this rank's, per round (BENCH_PHASES)
         attach_split(bench, mode, result)
+        if bench.losses:
+            result["losses"] = [torch.stack(bench.losses).float().tolist()]    # per round
     except ModeUnavailable as exc:
         result = empty_result(mode, "n/a", str(exc))
     except Exception as exc:  # noqa: BLE001 - OOM or a bug in a mode: report it, go on
@@ -1151,11 +1168,18 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     for path in bench.scratch:      # the mode closed its recorder, or failed
         shutil.rmtree(path, ignore_errors=True)
     bench.scratch.clear()
+    bench.losses = None
     peak = torch.cuda.max_memory_allocated(bench.device) if bench.cuda else 0
+    # Reserved memory and the allocator's retries (a failed allocation that freed its
+    # cache and tried again): fragmentation, which the allocated peak does not show.
+    reserved = torch.cuda.max_memory_reserved(bench.device) if bench.cuda else 0
+    retries = (torch.cuda.memory_stats(bench.device).get("num_alloc_retries", 0)
+               if bench.cuda else 0)
     if bench.cuda:
         torch.cuda.empty_cache()
-    # One collective: did any rank fail, and the largest peak over ranks.
-    flags = torch.tensor([failed, peak], dtype=torch.int64, device=bench.device)
+    # One collective: did any rank fail, and the largest peaks over ranks.
+    flags = torch.tensor([failed, peak, reserved, retries], dtype=torch.int64,
+                         device=bench.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0].item() and not failed:
         result = empty_result(mode, "error", "failed on another rank (see its stderr)")
@@ -1163,6 +1187,8 @@ def run_mode(bench: Bench, mode: Mode) -> Dict[str, Any]:
     if bench.cuda and result["status"] == "ok":
         result["peak_mem_bytes"] = peak
         result["peak_mem_bytes_max_rank"] = int(flags[1].item())
+        result["peak_reserved_bytes_max_rank"] = int(flags[2].item())
+        result["alloc_retries_max_rank"] = int(flags[3].item())
     if result["status"] == "ok" and result["median_ms"] and mode.name not in (
             "comm_only", "comm_only_bf16"):
         result["throughput"] = (bench.workload.items_per_rank * bench.world_size
@@ -1256,7 +1282,8 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
     if previous.get("steady_ms") and result.get("steady_ms"):
         merged["steady_ms"] = previous["steady_ms"] + result["steady_ms"]
         merged["steady_median_ms"] = statistics.median(merged["steady_ms"])
-    for key in ("peak_mem_bytes", "peak_mem_bytes_max_rank"):
+    for key in ("peak_mem_bytes", "peak_mem_bytes_max_rank", "peak_reserved_bytes_max_rank",
+                "alloc_retries_max_rank"):
         if previous.get(key) is not None and result.get(key) is not None:
             merged[key] = max(previous[key], result[key])
     if previous.get("cpu_ms_per_iter") and result.get("cpu_ms_per_iter"):
@@ -1265,7 +1292,7 @@ def merge_round(previous: Optional[Dict[str, Any]], result: Dict[str, Any]
             k: (previous["cpu_ms_per_iter"][k] * rounds + v) / (rounds + 1)
             for k, v in result["cpu_ms_per_iter"].items()}
     for key in ("phases", "threads", "live_threads_after", "process_cpu_ms_rounds",
-                "telemetry_dirs"):
+                "telemetry_dirs", "losses"):
         if previous.get(key) and result.get(key):
             merged[key] = previous[key] + result[key]
     if result.get("throughput"):
@@ -1429,7 +1456,7 @@ def results_table(document: Dict[str, Any]) -> str:
     """The markdown table of every run and mode."""
     headers = ["regime", "model", "mode", "ms/iter (median)", "p10-p90 ms", "efficiency",
                "x DDP", "steady ms", "steady efficiency", "throughput", "peak GiB",
-               "CPU ms/iter", "note"]
+               "reserved GiB", "alloc retries", "CPU ms/iter", "note"]
     rows = []
     rounds = (document.get("settings") or {}).get("rounds", 1)
     for launch in document["launches"]:
@@ -1448,6 +1475,9 @@ def results_table(document: Dict[str, Any]) -> str:
                              fmt(result.get("steady_efficiency"), 3), _throughput(result),
                              None if not result["peak_mem_bytes"]
                              else fmt(result["peak_mem_bytes"] / 2**30, 2),
+                             None if not result.get("peak_reserved_bytes_max_rank")
+                             else fmt(result["peak_reserved_bytes_max_rank"] / 2**30, 2),
+                             result.get("alloc_retries_max_rank"),
                              fmt(cpu, 1), _rounds_note(result, rounds)])
     return benchlib.markdown_table(headers, rows)
 
@@ -1584,8 +1614,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         m.strip() for m in args.model.split(",") if m.strip())
     if not args.models or set(args.models) - set(WORKLOADS):
         parser.error(f"--model {args.model!r}: choose from {', '.join(WORKLOADS)}, all")
-    if args.world_size < 2:
-        parser.error(f"--world-size {args.world_size}: must be >= 2")
+    if args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: must be >= 1")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     sweep_names = []

@@ -53,7 +53,9 @@ class RecordingScheduler(Scheduler):
         super().__init__(config)
         self.layers = layers
         self.log = []
-        self.owner = {}         # a reduced buffer's span -> its layer (learnt when it had grads)
+        # a reduced buffer -> its layer, learnt when it had grads (by the tensor, not its
+        # span: a group's memory is given back between steps and may come back elsewhere)
+        self.owner = {}
 
     def submit(self, tensor, *, key, priority=0, op="all_reduce", **kwargs):
         lo, hi = _span(tensor)
@@ -67,15 +69,15 @@ class RecordingScheduler(Scheduler):
         assert len(found) <= 1, (op, priority, found)         # group_bytes=0
         layer = found.pop() if found else None
         if layer is not None and op != "all_gather":
-            self.owner[(lo, hi)] = layer
+            self.owner[id(tensor)] = layer
         self.log.append({"op": op, "priority": priority, "layer": layer, "span": (lo, hi),
-                         "key": key})
+                         "key": key, "tensor": id(tensor)})
         return super().submit(tensor, key=key, priority=priority, op=op, **kwargs)
 
     def resolve(self):
         for e in self.log:
             if e["layer"] is None and e["op"] != "all_gather":
-                e["layer"] = self.owner.get(e["span"])
+                e["layer"] = self.owner.get(e["tensor"])
         return self.log
 
 
