@@ -32,7 +32,8 @@ from commsched import notices
 from commsched.config import Config
 from commsched.errors import CommschedWarning
 
-from .ddp import HookConflictError, commsched_hook, describe, register, registered_state
+from .ddp import (CommschedState, HookConflictError, bad_state, commsched_hook, describe,
+                  register, registered_state)
 
 __all__ = ["install"]
 
@@ -71,6 +72,8 @@ def install(config: Config) -> None:
         if launched is None or launched.left_alone is not None:
             return original_register(self, state, hook)
         if hook is commsched_hook:
+            if not isinstance(state, CommschedState):
+                raise bad_state(state)
             original_register(self, state, hook)
             launched.state = state
             _announce(self, launched)
