@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from commsched import unused
 from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
 from commsched.config import Config, warn_data_parallel_only
 from commsched.errors import CommschedError
@@ -79,6 +80,10 @@ class CommschedState:
         self.deferred = None
         if scheduler is None and not dist.is_initialized():
             self.deferred = (config, observer)
+            unused.watch("a CommschedState was made before torch.distributed started",
+                         "no DistributedDataParallel called commsched_hook: Lightning's "
+                         "DDPStrategy registers comm hooks on CUDA only; on CPU, train under "
+                         "COMMSCHED=1 python -m commsched.run instead")
         else:
             if scheduler is None:
                 scheduler, self.recorder = build_scheduler(
