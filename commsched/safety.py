@@ -165,10 +165,10 @@ def wait_bounded(work, timeout_s: float, what: str) -> None:
         else:
             work.wait()
     except RuntimeError as exc:
-        raise SchedulerError(
-            f"commsched: {what} did not complete within "
-            f"{f'{timeout_s:.0f} s (COMMSCHED_TIMEOUT_S)' if timeout_s else 'the process group timeout'}"
-            f": a peer may have died or issued other collectives ({exc})") from None
+        bound = (f"{timeout_s:.0f} s (COMMSCHED_TIMEOUT_S)" if timeout_s
+                 else "the process group's timeout")
+        raise SchedulerError(f"commsched: {what} did not complete within {bound}: a peer may "
+                             f"have died or issued other collectives ({exc})") from None
 
 
 def verify_sequences(checked: Sequence[tuple], group, device, world_size: int,

@@ -191,9 +191,11 @@ def _first_bucket(state, bucket: dist.GradBucket) -> Scheduler:
 def bad_state(state) -> HookStateError:
     """The error for ``commsched_hook`` registered with ``state``, which is not a
     ``CommschedState``."""
+    got = ("None" if state is None
+           else f"{type(state).__module__}.{type(state).__qualname__}")
     return HookStateError(
         f"commsched_hook: the hook's state must be a commsched.hooks.CommschedState, got "
-        f"{'None' if state is None else type(state).__module__ + '.' + type(state).__qualname__}: register it with "
+        f"{got}: register it with "
         f"ddp_model.register_comm_hook(CommschedState(ddp_model), commsched_hook) or "
         f"commsched.hooks.register(ddp_model); in Lightning pass "
         f"DDPStrategy(ddp_comm_state=CommschedState(lightning_module), "

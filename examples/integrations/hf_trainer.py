@@ -17,14 +17,16 @@ import os
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 
 class Tokens(torch.utils.data.Dataset):
     """Random token sequences, the same on every rank (the Trainer shards them)."""
 
     def __init__(self, count: int, length: int, vocab: int):
-        self.ids = torch.randint(vocab, (count, length), generator=torch.Generator().manual_seed(0))
+        self.ids = torch.randint(vocab, (count, length),
+                                 generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return len(self.ids)

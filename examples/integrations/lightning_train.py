@@ -3,7 +3,7 @@ Trainer, nothing of commsched in the training code.
 
 Under the launcher (every rank gets the hook at its DDP model's first forward)::
 
-    COMMSCHED=1 python -m commsched.run lightning_train.py --devices 2         # Lightning's launcher
+    COMMSCHED=1 python -m commsched.run lightning_train.py --devices 2     # Lightning's own
     COMMSCHED=1 python -m commsched.run lightning_train.py --devices 2 --strategy ddp_spawn
     COMMSCHED=1 torchrun --nproc-per-node 2 -m commsched.run lightning_train.py --devices 2
 
