@@ -13,7 +13,7 @@ from frameworks import EXAMPLES, FIXTURES, env, launch, notices, torchrun
 
 SCRIPT = f"{EXAMPLES}/lightning_train.py"
 MODEL = "DistributedDataParallel(Regressor, 5,313 parameters)"
-TIMEOUT_S = 10
+TIMEOUT_S = 5
 
 
 def _commands(tmp_path):

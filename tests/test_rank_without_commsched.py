@@ -9,7 +9,7 @@ from frameworks import FIXTURES, env, launch, torchrun
 
 SCRIPT = f"{FIXTURES}/train_ddp_exit.py"
 MODEL = "DistributedDataParallel(Sequential, 2,177 parameters)"
-TIMEOUT_S = 10
+TIMEOUT_S = 5
 
 
 def test_a_rank_without_commsched_under_torchrun_ends_the_job_naming_it(tmp_path):
