@@ -27,8 +27,8 @@ import torch.distributed as dist
 from .errors import CommschedError, SchedulerError
 
 __all__ = ["AgreementError", "check_agreement", "agreement_timeout", "STARTUP_BOUND_S",
-           "step_crc", "first_divergence", "wait_bounded", "verify_sequences",
-           "all_reduce_max"]
+           "VERDICT_GRACE_S", "step_crc", "first_divergence", "wait_bounded",
+           "verify_sequences", "all_reduce_max"]
 
 # How long the agreement check waits for the other ranks where COMMSCHED_TIMEOUT_S is 0.
 # Ranks reach it at their first bucket, a forward and part of a backward after DDP's
@@ -66,7 +66,15 @@ def check_agreement(fields: Dict[str, object], group=None, what: str = "",
     local = {name: (_digest(value), _short(value)) for name, value in fields.items()}
     if len(ranks) == 1:
         return ranks
-    gathered = _exchange(local, group, ranks, what, timeout_s)
+    verdict = _exchange(local, group, ranks, what, timeout_s)
+    if verdict:
+        raise AgreementError(verdict)
+    return ranks
+
+
+def _verdict(gathered: list, ranks: List[int], what: str) -> str:
+    """The error message for the ranks' answers ``gathered`` (in group order), "" where
+    they agree."""
     problems = []
     for name in sorted(set().union(*(g.keys() for g in gathered))):
         holders: Dict[str, List[int]] = {}
@@ -78,23 +86,37 @@ def check_agreement(fields: Dict[str, object], group=None, what: str = "",
         if len(holders) > 1:
             parts = "; ".join(f"ranks {r}: {shown[d]}" for d, r in holders.items())
             problems.append(f"{name!r} differs ({parts})")
-    if problems:
-        where = f" ({what})" if what else ""
-        raise AgreementError(
-            f"commsched: ranks disagree before the first collective{where}, which would "
+    if not problems:
+        return ""
+    where = f" ({what})" if what else ""
+    return (f"commsched: ranks disagree before the first collective{where}, which would "
             f"make their collectives mismatch: " + " | ".join(problems))
-    return ranks
+
+
+def _unanswered(missing: List[int], ranks: List[int], what: str, timeout_s: float) -> str:
+    answered = [r for r in ranks if r not in missing]
+    return (f"commsched: ranks {missing} did not answer the agreement check before the "
+            f"first collective ({what}) within {timeout_s:.0f} s, where ranks {answered} did: "
+            f"they run without commsched (a rank a framework started without the launcher "
+            f"or without COMMSCHED=1, see docs/integrations.md), or are stuck or gone. "
+            f"Their collectives would not match these ranks'; set COMMSCHED_TIMEOUT_S to "
+            f"wait longer")
 
 
 # Exchanges so far per group and subject: the n-th exchange of a group is the same one on
 # every rank (each rank makes them in the same order, as it issues collectives).
 _exchanges: Dict[tuple, int] = {}
+# How much longer than the group's first rank the others wait for its verdict, so that
+# the verdict naming a missing rank reaches them before their own deadline passes.
+VERDICT_GRACE_S = 10.0
 
 
-def _exchange(local: dict, group, ranks: List[int], what: str, timeout_s: float) -> list:
-    """Every rank's ``local`` (JSON), in group rank order, through the default store under
-    keys of this group and exchange; the collective ``all_gather_object`` where there is no
-    store of that kind."""
+def _exchange(local: dict, group, ranks: List[int], what: str, timeout_s: float) -> str:
+    """The verdict on every rank's ``local`` (see ``_verdict``; "" where they agree),
+    through the default store under keys of this group and exchange: each rank sets its
+    answer, the group's first rank reads them all and sets the verdict, the others read
+    that alone (store traffic grows with the ranks, not their square). The collective
+    ``all_gather_object`` where there is no store of that kind."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -102,7 +124,7 @@ def _exchange(local: dict, group, ranks: List[int], what: str, timeout_s: float)
     except (ImportError, RuntimeError, ValueError):
         gathered: List[Optional[dict]] = [None] * len(ranks)
         dist.all_gather_object(gathered, local, group=group)
-        return gathered
+        return _verdict(gathered, ranks, what)
     name = getattr(group, "group_name", None) or ",".join(map(str, ranks))
     subject = (name, what)
     count = _exchanges[subject] = _exchanges.get(subject, -1) + 1
@@ -110,23 +132,27 @@ def _exchange(local: dict, group, ranks: List[int], what: str, timeout_s: float)
     prefix = (f"commsched/agree/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
               f"{_digest(subject)}/{count}/")
     keys = [prefix + str(r) for r in ranks]
-    store.set(prefix + str(dist.get_rank()), json.dumps(local))
+    verdict_key = prefix + "verdict"
+    me = dist.get_rank()
+    store.set(prefix + str(me), json.dumps(local))
+    first = me == ranks[0]
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        store.wait(keys if first else [verdict_key],
+                   datetime.timedelta(seconds=timeout_s + (0 if first else VERDICT_GRACE_S)))
     except RuntimeError as exc:              # DistStoreError: the deadline passed
         missing = [r for r, key in zip(ranks, keys) if not _has(store, key)]
         if not missing:
-            raise AgreementError(f"commsched: the agreement check ({what}) could not read "
-                                 f"the process group's store: {exc}") from None
-        answered = [r for r in ranks if r not in missing]
-        raise AgreementError(
-            f"commsched: ranks {missing} did not answer the agreement check before the "
-            f"first collective ({what}) within {timeout_s:.0f} s, where ranks {answered} did: "
-            f"they run without commsched (a rank a framework started without the launcher "
-            f"or without COMMSCHED=1, see docs/integrations.md), or are stuck or gone. "
-            f"Their collectives would not match these ranks'; set COMMSCHED_TIMEOUT_S to "
-            f"wait longer") from None
-    return [json.loads(value) for value in store.multi_get(keys)]
+            return (f"commsched: the agreement check ({what}) could not read the process "
+                    f"group's store: {exc}")
+        verdict = _unanswered(missing, ranks, what, timeout_s)
+        if first:
+            store.set(verdict_key, json.dumps(verdict))
+        return verdict
+    if not first:
+        return json.loads(store.get(verdict_key))
+    verdict = _verdict([json.loads(value) for value in store.multi_get(keys)], ranks, what)
+    store.set(verdict_key, json.dumps(verdict))
+    return verdict
 
 
 def _has(store, key: str) -> bool:
