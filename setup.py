@@ -15,6 +15,9 @@ setup(
         "commsched.hooks": "hooks",
         "commsched.megatron_patches": "megatron_patches",
     },
+    # The launcher's start-up hook for the processes a script starts (commsched/run.py):
+    # a directory put on PYTHONPATH, not a package.
+    package_data={"commsched": ["startup/sitecustomize.py"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "gpu": ["nvidia-ml-py", "nvtx"],

@@ -172,10 +172,12 @@ class Config:
 
     timeout_s: int = field(default=0, metadata=_env("COMMSCHED_TIMEOUT_S", SCHEDULER,
                                                     maximum=30 * 24 * 3600))
-    """Seconds a collective may run before the waiting ranks get an error naming it; 0: the
-    process group's own timeout.
+    """Seconds a collective may run, or the ranks' start-up agreement wait, before the
+    waiting ranks get an error naming it; 0: the process group's own timeout (300 s for
+    the agreement).
 
-    The error names the chunk, op, bytes, group and iteration."""
+    The error names the chunk, op, bytes, group and iteration; the agreement's, the ranks
+    that did not answer (``commsched.safety.STARTUP_BOUND_S``)."""
 
     verify: bool = field(default=False, metadata=_env("COMMSCHED_VERIFY", SCHEDULER))
     """0 or 1: check every iteration's dispatch sequence across ranks (one small collective

@@ -247,7 +247,7 @@ class Lane:
         if order.verify_queue:
             checked, order.verify_queue = order.verify_queue, []
             error = verify_sequences(checked, self.group, self.device, self.world_size,
-                                     self.ranks, self.name)
+                                     self.ranks, self.name, self.config.timeout_s)
             if error is not None:
                 self._fail(error)
                 return False
@@ -258,7 +258,7 @@ class Lane:
             try:
                 plan = order.build_plan(it.profile, self.credit.limit, lambda values: (
                     all_reduce_max(values, torch.float64, self.group, self.device,
-                                   self.issuer.launch_stream)))
+                                   self.issuer.launch_stream, self.config.timeout_s)))
             except Exception as exc:  # noqa: BLE001 (a peer gone: fail the lane, naming it)
                 self._fail(SchedulerError(
                     f"commsched: the plan exchange at the head of iteration {it.index} on "
@@ -418,7 +418,7 @@ class Lane:
         """One all_reduce(MAX) of int64 ``values`` over the group, in its collective
         sequence (the tuner's; lock held, at the head of the order)."""
         out = all_reduce_max(values, torch.int64, self.group, self.device,
-                             self.issuer.launch_stream)
+                             self.issuer.launch_stream, self.config.timeout_s)
         if self.trace_dispatch:
             self.dispatch_log.append(("autotune", what))
         return out

@@ -7,12 +7,16 @@
 With ``COMMSCHED=1``, every ``DistributedDataParallel`` the script constructs gets the
 commsched hook (``Config.from_env()``) at its first forward, unless the script gives it a
 comm hook of its own first, and Megatron-core is patched when the script imports it; rank 0
-says so in one line. With ``COMMSCHED`` unset or 0 nothing is patched or registered: the
-script runs exactly as it would without commsched, and rank 0 warns once about
-``COMMSCHED_*`` settings that then have no effect. Settings are validated before the script
-starts, whatever ``COMMSCHED`` says, so a typo never goes unnoticed. Arguments a launcher
-puts before the script (``--local-rank=N`` from torch.distributed.launch) reach the
-script, as they would without commsched.
+says so in one line, once every rank of the model's group answered that it has the hook.
+Every Python process the script starts gets the same, while ``COMMSCHED=1`` is in its
+environment (``commsched/startup/``): the ranks Lightning's launcher or ``ddp_spawn``
+starts, a framework's workers. A process that trains without giving commsched anything to
+schedule says so once (``commsched.unused``). With ``COMMSCHED`` unset or 0 nothing is
+patched or registered: the script runs exactly as it would without commsched, and rank 0
+warns once about ``COMMSCHED_*`` settings that then have no effect. Settings are validated
+before the script starts, whatever ``COMMSCHED`` says, so a typo never goes unnoticed.
+Arguments a launcher puts before the script (``--local-rank=N`` from
+torch.distributed.launch) reach the script, as they would without commsched.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import sys
 import warnings
 from typing import List, Optional
 
-from . import notices
+from . import notices, unused
 from .config import ENV_VARS, Config, ConfigError
 from .errors import CommschedWarning
 
@@ -50,6 +54,7 @@ def install(config: Config) -> None:
     from commsched.hooks import launched
 
     launched.install(config)
+    unused.watch()
     try:
         from commsched import megatron_patches
     except ImportError:  # pragma: no cover - the package always ships it
@@ -58,6 +63,19 @@ def install(config: Config) -> None:
     if apply_on_import is not None:
         apply_on_import(config)
     _installed = config
+
+
+STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+
+
+def pass_on() -> None:
+    """Put ``STARTUP_DIR`` first on ``PYTHONPATH``, so that the Python processes started
+    from now on install commsched at start-up while ``COMMSCHED=1`` is in their environment
+    ([Note: every process of the job] in docs/design.md)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if path[:1] != [STARTUP_DIR]:
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [STARTUP_DIR] + [p for p in path if p != STARTUP_DIR])
 
 
 def _unrunnable(module: str) -> str:
@@ -128,6 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     if config.enabled:
         install(config)
+        pass_on()
     else:
         _warn_without_effect()
     if module is not None:

@@ -38,11 +38,11 @@ from .errors import SchedulerError, UnavailableError
 from .lane import Lane
 from .observer import IterationRecord
 from .partition import Chunk, partition
-from .safety import check_agreement
+from .safety import agreement_timeout, check_agreement
 from .topology import Topology, local_size_from_env
 from .workers import keep_past_exit, settle_gloo_workers
 
-__all__ = ["Scheduler", "Request", "SchedulerError"]
+__all__ = ["Scheduler", "Request", "SchedulerError", "made_any"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 _SUM = dist.ReduceOp.SUM
@@ -193,6 +193,13 @@ class Request:
 
 # Schedulers whose threads must be stopped before the interpreter finalizes (see below).
 _live: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+_made = False
+
+
+def made_any() -> bool:
+    """Whether this process made a scheduler: the DDP hook, the Megatron patches and the
+    data-parallel mode each make one once they have something to schedule."""
+    return _made
 
 
 @atexit.register
@@ -246,6 +253,8 @@ class Scheduler:
         self._closed = False
         self._fifo: Dict[object, Config] = {}      # groups set to submission order
         _live.add(self)
+        global _made
+        _made = True
 
     def submit(self, tensor: torch.Tensor, *, key: Hashable, priority: int = 0,
                op: str = "all_reduce", group=None, average: bool = False,
@@ -478,7 +487,8 @@ class Scheduler:
                         "verify": config.verify, "backend": dist.get_backend(group),
                         "autotune": (config.autotune, config.autotune_iters),
                         "device type": device.type, "first request": first,
-                    }, group, what="scheduler configuration")
+                    }, group, what="scheduler configuration",
+                        timeout_s=agreement_timeout(config.timeout_s))
                     tuned = config.autotune
                     lane = Lane(group, device, f"g{len(self._lanes)}", config,
                                 [make for make in self.extensions

@@ -5,7 +5,8 @@ Example::
     # or: ddp_model.register_comm_hook(commsched.hooks.CommschedState(ddp_model), commsched.hooks.commsched_hook)
 """
 
-from .ddp import (CommschedState, HookConflictError, NotDDPError, commsched_hook,
-                  register)
+from .ddp import (CommschedState, HookConflictError, HookStateError, NotDDPError,
+                  commsched_hook, register)
 
-__all__ = ["CommschedState", "commsched_hook", "register", "HookConflictError", "NotDDPError"]
+__all__ = ["CommschedState", "commsched_hook", "register", "HookConflictError", "NotDDPError",
+           "HookStateError"]

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from commsched import unused
 from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
 from commsched.config import Config, ConfigError, warn_data_parallel_only
 from commsched.errors import CommschedError
@@ -36,7 +37,7 @@ from commsched.inputs import require_config, require_group, require_instance, re
 from commsched.scheduler import Scheduler
 
 __all__ = ["CommschedState", "commsched_hook", "register", "registered_state", "other_hook",
-           "describe", "HookConflictError", "NotDDPError"]
+           "describe", "HookConflictError", "NotDDPError", "HookStateError"]
 
 
 class HookConflictError(CommschedError, RuntimeError):
@@ -48,9 +49,19 @@ class NotDDPError(CommschedError, TypeError):
     """``register`` was given something other than a DistributedDataParallel."""
 
 
+class HookStateError(CommschedError, TypeError):
+    """``commsched_hook`` was registered with a state that is not a ``CommschedState``
+    (``DDPStrategy(ddp_comm_state=None)`` in Lightning, a process group)."""
+
+
 class CommschedState:
     """State of the commsched DDP hook: the scheduler, the process group, and the forward
     order of the model's parameters (for bucket priorities).
+
+    ``ddp_model`` may also be the module DDP will wrap, before torch.distributed is
+    initialised (Lightning's ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, built
+    from the LightningModule): the scheduler is then built at the first bucket, on the
+    bucket's device (``docs/integrations.md``).
 
     Example::
         state = CommschedState(ddp_model, Config(partition_bytes=1 << 20))
@@ -58,7 +69,7 @@ class CommschedState:
     """
 
     __slots__ = ("scheduler", "group", "param_position", "bucket_priority", "recorder",
-                 "held", "results")
+                 "held", "results", "deferred")
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
@@ -66,11 +77,21 @@ class CommschedState:
         config = config if config is not None else Config.from_env()
         warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None
-        if scheduler is None:
-            scheduler, self.recorder = build_scheduler(
-                config, next(ddp_model.parameters()).device, adapter=DDP_HOOK,
-                observer=observer)
-        self.scheduler = scheduler
+        # (config, observer) until the scheduler is built; ``scheduler`` stays unset
+        # meanwhile, so that the hook's one attribute read finds out (commsched_hook).
+        self.deferred = None
+        if scheduler is None and not dist.is_initialized():
+            self.deferred = (config, observer)
+            unused.watch("a CommschedState was made before torch.distributed started",
+                         "no DistributedDataParallel called commsched_hook: Lightning's "
+                         "DDPStrategy registers comm hooks on CUDA only; on CPU, train under "
+                         "COMMSCHED=1 python -m commsched.run instead")
+        else:
+            if scheduler is None:
+                scheduler, self.recorder = build_scheduler(
+                    config, next(ddp_model.parameters()).device, adapter=DDP_HOOK,
+                    observer=observer)
+            self.scheduler = scheduler
         self.group = group if group is not None else getattr(ddp_model, "process_group", None)
         module = getattr(ddp_model, "module", ddp_model)
         # parameters() is registration order, which for the models DDP sees is forward
@@ -95,7 +116,21 @@ class CommschedState:
 
     def close(self, timeout: Optional[float] = 60.0) -> None:
         """Wait for outstanding chunks, then stop the scheduler and the telemetry recorder."""
-        close(self.scheduler, self.recorder, timeout)
+        if self.deferred is None:
+            close(self.scheduler, self.recorder, timeout)
+
+    def build(self, device: torch.device) -> Scheduler:
+        """The scheduler of a state made before torch.distributed was initialised, built
+        now for tensors on ``device`` (the first bucket's)."""
+        if not dist.is_initialized():
+            raise HookStateError(
+                "commsched_hook: torch.distributed is not initialised at the first bucket; "
+                "the hook runs inside DistributedDataParallel, which needs it")
+        config, observer = self.deferred
+        self.scheduler, self.recorder = build_scheduler(config, device, adapter=DDP_HOOK,
+                                                        observer=observer)
+        self.deferred = None
+        return self.scheduler
 
     def priority(self, bucket: dist.GradBucket) -> int:
         """Forward position of the bucket's earliest parameter (lower goes first)."""
@@ -119,7 +154,10 @@ def commsched_hook(state: CommschedState,
         state = commsched.hooks.CommschedState(ddp_model)
         ddp_model.register_comm_hook(state, commsched.hooks.commsched_hook)
     """
-    scheduler = state.scheduler
+    try:
+        scheduler = state.scheduler
+    except AttributeError:
+        scheduler = _first_bucket(state, bucket)
     tensor = bucket.buffer()
     request = scheduler.submit(tensor, key=bucket.index(), priority=state.priority(bucket),
                                group=state.group, average=True)
@@ -142,6 +180,29 @@ def commsched_hook(state: CommschedState,
             state.held = False
             scheduler.join(state.group)
     return future
+
+
+def _first_bucket(state, bucket: dist.GradBucket) -> Scheduler:
+    """The scheduler of a state whose first bucket this is (``CommschedState``'s deferred
+    build); for anything that is not a ``CommschedState``, the error saying what to pass."""
+    if isinstance(state, CommschedState) and state.deferred is not None:
+        return state.build(bucket.buffer().device)
+    raise bad_state(state)
+
+
+def bad_state(state) -> HookStateError:
+    """The error for ``commsched_hook`` registered with ``state``, which is not a
+    ``CommschedState``."""
+    got = ("None" if state is None
+           else f"{type(state).__module__}.{type(state).__qualname__}")
+    return HookStateError(
+        f"commsched_hook: the hook's state must be a commsched.hooks.CommschedState, got "
+        f"{got}: register it with "
+        f"ddp_model.register_comm_hook(CommschedState(ddp_model), commsched_hook) or "
+        f"commsched.hooks.register(ddp_model); in Lightning pass "
+        f"DDPStrategy(ddp_comm_state=CommschedState(lightning_module), "
+        f"ddp_comm_hook=commsched_hook), the state built from the LightningModule before "
+        f"the Trainer starts")
 
 
 class _BucketTensor:

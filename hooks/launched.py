@@ -31,8 +31,11 @@ import torch.distributed as dist
 from commsched import notices
 from commsched.config import Config
 from commsched.errors import CommschedWarning
+from commsched.safety import agreement_timeout, check_agreement
+from commsched.version import __version__
 
-from .ddp import HookConflictError, commsched_hook, describe, register, registered_state
+from .ddp import (CommschedState, HookConflictError, bad_state, commsched_hook, describe,
+                  register, registered_state)
 
 __all__ = ["install"]
 
@@ -71,6 +74,8 @@ def install(config: Config) -> None:
         if launched is None or launched.left_alone is not None:
             return original_register(self, state, hook)
         if hook is commsched_hook:
+            if not isinstance(state, CommschedState):
+                raise bad_state(state)
             original_register(self, state, hook)
             launched.state = state
             _announce(self, launched)
@@ -144,14 +149,20 @@ def _averages_over_own_group(model, state, hook) -> bool:
 
 
 def _announce(model, launched: _Launched) -> None:
-    """The start-up line at the first model that got commsched's hook, a notice for each
-    later one."""
+    """Every rank of the model's group says that it has commsched's hook (a store
+    exchange, bounded as the agreement check is: a rank a framework started without
+    commsched is an error naming it, not a hang); then the start-up line at the first
+    model that got the hook, with the number of ranks, a notice for each later one."""
     global _announced
     what = f"the DDP hook on {describe(model)}"
+    ranks = check_agreement({"commsched version": __version__}, model.process_group,
+                            what=f"the launcher's hook on {describe(model)}",
+                            timeout_s=agreement_timeout(launched.config.timeout_s))
     if _announced:
         notices.say(what.replace("the DDP hook on", "the DDP hook also on", 1))
         return
     _announced = True
+    what += f" on all {len(ranks)} ranks" if len(ranks) > 1 else " on its one rank"
     recorder = getattr(launched.state, "recorder", None)
     telemetry = (os.path.dirname(recorder.path)
                  if recorder is not None and recorder.enabled else None)

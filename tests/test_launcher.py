@@ -150,11 +150,11 @@ def test_commsched_registered_by_the_script_itself_stands(parsed):
         assert models_on[rank, "commsched"][2] == models_off[rank, "plain"][2]
 
 
-def test_rank_0_says_once_that_commsched_is_on_and_with_what(launches):
+def test_rank_0_says_once_that_commsched_is_on_on_how_many_ranks_and_with_what(launches):
     off, on = launches
     assert [l for l in on.stderr.splitlines() if l.startswith("commsched: ")] == [
-        f"commsched: on (version {commsched.__version__}): the DDP hook on {MODEL}; "
-        f"settings: COMMSCHED_PARTITION_BYTES=64KiB, COMMSCHED_CREDIT_BYTES=256KiB",
+        f"commsched: on (version {commsched.__version__}): the DDP hook on {MODEL} on all 2 "
+        f"ranks; settings: COMMSCHED_PARTITION_BYTES=64KiB, COMMSCHED_CREDIT_BYTES=256KiB",
         f"commsched: {MODEL}: the script's allreduce_hook averages over the model's process "
         f"group, as commsched's hook does, which takes its place",
         f"commsched: the DDP hook also on {MODEL}",

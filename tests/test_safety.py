@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commsched import Config, Scheduler
+from commsched import Config, Scheduler, SchedulerError
 from commsched.safety import AgreementError
 from distributed import free_port, run_workers
 
@@ -122,3 +122,96 @@ def test_a_dead_peer_is_an_error_naming_what_it_was_waiting_for_not_a_hang(
     assert any(r["ok"] for r in rows), "completed chunks before the failure are stored"
     failed = [r for r in rows if not r["ok"]]
     assert failed and failed[0]["iteration"] == crash_at, failed
+
+
+def _one_rank_never_answers(rank, world, port, out_dir, silent):
+    """Every rank but ``silent`` submits with COMMSCHED_TIMEOUT_S=3 (``silent`` never
+    reaches the scheduler: a rank without commsched). Each writes what it saw; none issues
+    a collective."""
+    from commsched import safety
+
+    safety.VERDICT_GRACE_S = 1.0          # (what the group's first rank gets ahead)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    if rank != silent:
+        sched = Scheduler(Config(timeout_s=3))
+        start = time.monotonic()
+        try:
+            sched.submit(torch.ones(10), key="b0")
+            outcome = "no error"
+        except AgreementError as exc:
+            outcome = str(exc)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+    else:
+        while len(os.listdir(out_dir)) < world - 1:
+            time.sleep(0.1)
+    os._exit(0)
+
+
+# Rank 1 silent: rank 0, the group's first, names it, and rank 2 reads that verdict;
+# rank 0 silent: ranks 1 and 2 find out themselves once its verdict did not come.
+@pytest.mark.parametrize("silent", [1, 0])
+def test_a_rank_that_never_answers_the_agreement_check_is_named_within_the_timeout(
+        tmp_path, silent):
+    ctx = mp.start_processes(_one_rank_never_answers,
+                             args=(3, free_port(), str(tmp_path), silent), nprocs=3,
+                             join=False, start_method="spawn")
+    for p in ctx.processes:
+        p.join(timeout=60)
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    answered = [r for r in range(3) if r != silent]
+    for rank in answered:
+        elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert 3 <= float(elapsed) < 3 + 1 + 6, (rank, elapsed)
+        assert message.startswith(
+            f"commsched: ranks [{silent}] did not answer the agreement check before the first "
+            f"collective (scheduler configuration) within 3 s, where ranks {answered} did: "
+            f"they run without commsched"), (rank, message)
+
+
+def test_without_commsched_timeout_the_agreement_check_waits_the_start_up_bound():
+    from commsched.safety import STARTUP_BOUND_S, agreement_timeout
+
+    assert STARTUP_BOUND_S == 300.0
+    assert agreement_timeout(0) == STARTUP_BOUND_S
+    assert agreement_timeout(20) == 20
+
+
+def _exchange_without_peer(rank, world, port, out_dir):
+    from commsched.safety import all_reduce_max
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            all_reduce_max([1, 2], torch.int64, None, torch.device("cpu"), None, timeout_s=2,
+                           what="the plan exchange")
+            outcome = "no error"
+        except SchedulerError as exc:
+            outcome = str(exc)
+        with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
+    else:
+        while not os.path.exists(os.path.join(out_dir, "rank0.txt")):
+            time.sleep(0.1)
+    os._exit(0)
+
+
+def test_an_exchange_of_commscheds_own_is_bounded_by_commsched_timeout(tmp_path):
+    ctx = mp.start_processes(_exchange_without_peer, args=(2, free_port(), str(tmp_path)),
+                             nprocs=2, join=False, start_method="spawn")
+    for p in ctx.processes:
+        p.join(timeout=60)
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    elapsed, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert 2 <= float(elapsed) < 8, elapsed
+    assert message.startswith("commsched: the plan exchange did not complete within 2 s "
+                              "(COMMSCHED_TIMEOUT_S)"), message
