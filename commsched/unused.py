@@ -1,8 +1,11 @@
 """Nothing silent: a process where commsched was asked for, that trains but never gave
 commsched anything to schedule, says so once.
 
-"Trains" is counted in optimizer steps (torch's global optimizer step hook, removed once
-it has decided): the warning comes at the ``STEPS``-th step, or at exit where the process
+"Trains" is counted in optimizer steps (torch's global optimizer step hook; once it has
+decided it returns at once, and it is removed at exit, never from inside a step: torch
+iterates over the global hooks while it calls them, and a hook removed there ends that
+step with "OrderedDict mutated during iteration" wherever another global hook is
+registered): the warning comes at the ``STEPS``-th step, or at exit where the process
 took at least one step and fewer than ``STEPS``. A process that takes no optimizer step (a
 data-loading worker, a launcher's parent process) says nothing. "Something to schedule"
 is any scheduler made in the process (``commsched.scheduler.made_any``): a DDP model that
@@ -29,6 +32,7 @@ _cause: Optional[str] = None      # what asked for commsched (None: not watching
 _hint: Optional[str] = None
 _steps = 0
 _handle = None
+_decided = False
 
 
 def watch(cause: str = "COMMSCHED=1", hint: Optional[str] = None) -> None:
@@ -48,25 +52,31 @@ def watch(cause: str = "COMMSCHED=1", hint: Optional[str] = None) -> None:
 
 def _after_step(optimizer, args, kwargs) -> None:
     global _steps
+    if _decided:
+        return
     _steps += 1
     if _steps >= STEPS:
         _decide(f"by its {STEPS}th optimizer step")
 
 
 def _at_exit() -> None:
+    global _handle
     if _steps:
         _decide(f"in the {_steps} optimizer step{'s' if _steps > 1 else ''} it took")
+    with _lock:
+        if _handle is not None:
+            _handle.remove()
+            _handle = None
 
 
 def _decide(when: str) -> None:
-    global _handle
+    global _decided
     from .scheduler import made_any
 
     with _lock:
-        if _handle is None:
+        if _decided:
             return
-        _handle.remove()
-        _handle = None
+        _decided = True
     if made_any() or not notices.is_rank0():
         return
     try:

@@ -15,6 +15,9 @@ WARNING = "CommschedWarning: commsched: COMMSCHED=1, but "
 SCRIPT = """
 import sys, torch, torch.distributed as dist
 steps, ddp = int(sys.argv[1]), sys.argv[2] == "ddp"
+if "other_hook" in sys.argv[3:]:     # a global step hook of the script's own (a profiler's)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: None)
 model = torch.nn.Linear(4, 1)
 if ddp:
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -28,12 +31,12 @@ print("end", file=sys.stderr, flush=True)
 """
 
 
-def _run(tmp_path, steps, ddp):
+def _run(tmp_path, steps, ddp, *extra):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(port=free_port()))
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSCHED")}
     proc = subprocess.run([sys.executable, "-m", "commsched.run", str(script), str(steps),
-                           "ddp" if ddp else "plain"], env={**env, "COMMSCHED": "1"},
+                           "ddp" if ddp else "plain", *extra], env={**env, "COMMSCHED": "1"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.splitlines()
@@ -49,6 +52,16 @@ def test_a_single_process_says_so_once_at_its_10th_optimizer_step(tmp_path):
         f"step {n}" for n in range(1, 10)]
     assert ("by its 10th optimizer step this process gave commsched nothing to schedule: "
             "torch.distributed was never initialised: it ran as a single process") in line
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_the_step_count_leaves_other_global_step_hooks_alone(tmp_path, ddp):
+    """torch calls the global step hooks while it iterates over them: the count must
+    not remove its own hook there, or a step with another global hook registered fails
+    ("OrderedDict mutated during iteration")."""
+    warned, lines = _run(tmp_path, 12, ddp, "other_hook")
+    assert "step 12" in lines and "end" in lines
+    assert len(warned) == (0 if ddp else 1), lines
 
 
 def test_fewer_steps_say_so_at_exit(tmp_path):
