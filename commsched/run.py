@@ -11,10 +11,11 @@ says so in one line, once every rank of the model's group answered that it has t
 Every Python process the script starts gets the same, while ``COMMSCHED=1`` is in its
 environment (``commsched/startup/``): the ranks Lightning's launcher or ``ddp_spawn``
 starts, a framework's workers. A process that trains without giving commsched anything to
-schedule says so once (``commsched.unused``). With ``COMMSCHED`` unset or 0 nothing is
-patched or registered: the script runs exactly as it would without commsched, and rank 0
-warns once about ``COMMSCHED_*`` settings that then have no effect. Settings are validated
-before the script starts, whatever ``COMMSCHED`` says, so a typo never goes unnoticed.
+schedule says so once (``commsched.unused``).
+With ``COMMSCHED`` unset or 0 nothing is patched or registered: the script runs exactly as
+it would without commsched, and rank 0 warns once about ``COMMSCHED_*`` settings that then
+have no effect. Settings are validated before the script starts, whatever ``COMMSCHED``
+says, so a typo never goes unnoticed.
 Arguments a launcher puts before the script (``--local-rank=N`` from
 torch.distributed.launch) reach the script, as they would without commsched.
 """

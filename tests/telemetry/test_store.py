@@ -164,7 +164,7 @@ def test_full_disk_midway_gives_one_warning_and_training_goes_on(tmp_path):
         rec.close()
     assert [w.category for w in caught] == [TelemetryWarning]
     # (the cap stands in for a full disk, and is named as the cause)
-    assert "size cap, COMMSCHED_TELEMETRY_MAX_BYTES=65536 bytes" in str(caught[0].message)
+    assert "size cap, COMMSCHED_TELEMETRY_MAX_BYTES=98304 bytes" in str(caught[0].message)
     assert not rec.enabled
     assert len(load_run(str(tmp_path)).comm_ops) > 0     # what was committed stays readable
 
