@@ -26,8 +26,10 @@ What falls back, and what is not supported:
 - Reentrant activation checkpointing is not supported (use_reentrant=False is);
   torch.autograd.grad() is not synchronised; torch.compile of the wrapped model, model
   moves/dtype changes after wrap() and deepcopy of the wrapped model are untested.
-- After optimizer.zero_grad() a gradient is None once its group's update ran; until then it
-  still reads as the averaged gradient (set_to_none semantics, deferred).
+- After optimizer.zero_grad() (or model.zero_grad(), of the wrapped model or the one passed
+  to wrap) a gradient is None once its group's update ran; until then it still reads as the
+  averaged gradient (set_to_none semantics, deferred). A submodule's zero_grad() clears at
+  once, and an update still pending then skips its parameters: drain() first.
 - Layer groups, their priorities and the submission order follow module registration
   order. A model whose forward calls its modules in another order trains correctly, but
   the layer its forward needs first may be scheduled last, and backward submits nothing

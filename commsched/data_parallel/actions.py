@@ -12,6 +12,10 @@ gates that run them.
   foreach optimizer's step counters' increment, a partly filled last launch of each of
   its multi-tensor kernels), which the batching keeps to a few calls per iteration.
 
+A zero_grad() call, the optimizer's or the model's (nn.Module's, which would otherwise set
+every ``.grad`` to None at once, and the pending updates would find no gradient), is an
+action queued behind the updates in the same way.
+
 State owned here (the engine's, see engine.py): each group's ``request`` and ``actions``,
 the forward pre-hooks installed while a group is pending (``_module_hooks``,
 ``_group_modules``, ``_armed``), ``_fresh`` and ``_in_update``.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -29,9 +33,27 @@ from .groups import LayerGroup, plain
 from .storage import need_grads, release_comm, release_grads
 from .update import StepRecord, step_subset
 
-__all__ = ["DeferredActions", "ModuleHook", "UPDATE", "ZERO"]
+__all__ = ["DeferredActions", "ModuleHook", "UPDATE", "ZERO", "Zeroing", "zero_action"]
 
 UPDATE, ZERO = "update", "zero"         # the kinds of a pending action
+
+
+class Zeroing(NamedTuple):
+    """What a zero_grad() asks of a layer group: gradients set to None or zeroed, of the
+    parameters the optimizer holds (``optimizer.zero_grad()``) or of ``every`` one of the
+    group's (the model's ``zero_grad()``, as nn.Module's)."""
+
+    set_to_none: bool
+    every: bool
+
+
+# The four zeroing actions, made once: a zero_grad() per step queues one of them.
+_ZERO_ACTIONS = {(s, e): (ZERO, Zeroing(s, e)) for s in (False, True) for e in (False, True)}
+
+
+def zero_action(set_to_none: bool, every: bool) -> tuple:
+    """The pending action of a zero_grad() call (see ``Zeroing``)."""
+    return _ZERO_ACTIONS[bool(set_to_none), bool(every)]
 
 
 class DeferredActions:
@@ -173,8 +195,8 @@ class DeferredActions:
                 return
             for record, gs in updates.values():
                 self._run_updates(record, gs)
-            for set_to_none, gs in zeros.items():
-                self._run_zeros(gs, set_to_none)
+            for zeroing, gs in zeros.items():
+                self._run_zeros(gs, zeroing)
 
     def _after_comm(self, g: LayerGroup) -> None:
         if g.sparse is not None:
@@ -251,34 +273,40 @@ class DeferredActions:
         with self._update_context():
             step_subset(self.optimizer, record, sorted(by_k.items()))
 
-    def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
-        if g.fully_owned and not set_to_none and not g.released:
+    def _zero(self, g: LayerGroup, zeroing: Zeroing) -> None:
+        whole = zeroing.every or g.fully_owned
+        if whole and not zeroing.set_to_none and not g.released:
             g.buffer.zero_()
-        self._zero_slots(g, set_to_none)
-        if set_to_none:
-            release_grads(g, self.views_known)
+        self._zero_slots(g, zeroing, whole)
+        if zeroing.set_to_none:
+            release_grads(g, self.views_known, whole)
 
-    def _run_zeros(self, groups: List[LayerGroup], set_to_none: bool) -> None:
-        if not set_to_none:
-            buffers = [g.buffer for g in groups if g.fully_owned and not g.released]
+    def _run_zeros(self, groups: List[LayerGroup], zeroing: Zeroing) -> None:
+        every = zeroing.every
+        if not zeroing.set_to_none:
+            buffers = [g.buffer for g in groups
+                       if (every or g.fully_owned) and not g.released]
             if buffers:
                 torch._foreach_zero_(buffers)      # one call, not one per group
         for g in groups:
-            self._zero_slots(g, set_to_none)
-            if set_to_none:
-                release_grads(g, self.views_known)
+            whole = every or g.fully_owned
+            self._zero_slots(g, zeroing, whole)
+            if zeroing.set_to_none:
+                release_grads(g, self.views_known, whole)
 
-    def _zero_slots(self, g: LayerGroup, set_to_none: bool) -> None:
-        """zero_grad() of the group's parameters, its buffer already zeroed if the
-        optimizer owns all of them and the gradients stay tensors. Set to None, a slot
+    def _zero_slots(self, g: LayerGroup, zeroing: Zeroing, whole: bool) -> None:
+        """zero_grad() of the group's parameters (``zeroing.every``: all of them, else
+        those the optimizer owns), its buffer already zeroed where that takes every one
+        (``whole``) and the gradients stay tensors. Set to None, a slot
         keeps its old values: the next backward overwrites it (see _grad_pre_hook), or
         zeroes it if its parameter gets no gradient (_prepare_submit). Where no parameter
         of the group keeps a gradient then, the caller gives its memory back
         (storage.py); a released group's slots hold nothing to zero, and stay not known
         to be zero."""
+        set_to_none = zeroing.set_to_none
         first = g.first
         for j, p in enumerate(g.params):
-            if not g.owned[j]:
+            if not (whole or g.owned[j]):
                 continue
             grad = p.grad
             if grad is not None and grad is not g.grad_views[j]:
@@ -294,7 +322,7 @@ class DeferredActions:
                 continue
             if g.released:
                 continue
-            if not g.fully_owned:
+            if not whole:
                 g.grads[j].zero_()
             self.clean[first + j] = True
 

@@ -25,7 +25,9 @@ actions to the deferred side.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -36,7 +38,7 @@ from commsched.config import MAX_BYTES, Config, ConfigError, env_fields
 from commsched.errors import CommschedWarning, DataParallelError, UnavailableError
 from commsched.scheduler import Scheduler
 
-from .actions import UPDATE, ZERO, DeferredActions, ModuleHook
+from .actions import UPDATE, DeferredActions, ModuleHook, zero_action
 from .groups import LayerGroup, build_groups, grad_view_class, narrows, plain, sent
 from .sparse import SparseSlot, find_sparse_embeddings
 from .storage import count_owned
@@ -104,6 +106,10 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
                               f"{sorted(map(str, devices))}; the data-parallel mode drives "
                               "one device per process")
         self.params: List[torch.nn.Parameter] = [p for g in self.groups for p in g.params]
+        # The model's parameters in no layer group (frozen at wrap): the model's
+        # zero_grad() clears theirs at once, as nn.Module's does.
+        grouped = {id(p) for p in self.params}
+        self.outside = [p for p in module.parameters() if id(p) not in grouped]
         self.names: List[str] = [n for g in self.groups for n in g.names]
         self.slot = [(g, j) for g in self.groups for j in range(len(g.params))]
         self.clean = [True] * len(self.params)    # slot known to be zero
@@ -175,6 +181,7 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self._register_hooks(module_groups)
         for g in self.sparse_groups:
             g.sparse.module.forward = g.sparse.lookup
+        self._own_zero_grad = None     # set on the model by route_zero_grad()
         count_owned(self.groups)
 
     def _lane_config(self, config: Config) -> Config:
@@ -279,6 +286,20 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
             for k in idx:
                 self._group_modules[k].append(entry)
 
+    def route_zero_grad(self) -> None:
+        """The plain model's ``zero_grad()`` (of the model passed to wrap, which the loop
+        may hold beside the wrapped one) goes through the engine, as the wrapped model's
+        does: nn.Module's would set every ``.grad`` to None at once, and an update still
+        pending would then find no gradient and skip its parameters. An instance
+        attribute (``RoutedZeroGrad``), removed with the hooks; a model class with a
+        ``zero_grad`` of its own, or one already set on the instance, keeps it."""
+        module = self.module
+        if (type(module).zero_grad is not torch.nn.Module.zero_grad
+                or "zero_grad" in module.__dict__):
+            return
+        self._own_zero_grad = RoutedZeroGrad(self)
+        module.zero_grad = self._own_zero_grad
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -288,6 +309,10 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self._armed = [False] * len(self.groups)
         for g in self.sparse_groups:
             g.sparse.module.__dict__.pop("forward", None)     # the class's forward again
+        if self._own_zero_grad is not None:
+            if self.module.__dict__.get("zero_grad") is self._own_zero_grad:
+                del self.module.__dict__["zero_grad"]          # nn.Module's again
+            self._own_zero_grad = None
 
     def before_forward(self, sync: bool) -> None:
         """Called by the wrapper at the start of forward. Buffers are broadcast from rank 0
@@ -325,10 +350,17 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
                 step_subset(self.optimizer, record, self.local)
         self._recorder_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._check_open("optimizer.zero_grad()")
-        self._add_actions((ZERO, set_to_none))
-        for _, params in self.local:
+    def zero_grad(self, set_to_none: bool = True, every: bool = False) -> None:
+        """The optimizer's zero_grad() (``every``: the model's, for all of its parameters),
+        queued on every layer group behind its pending update (actions.py); parameters
+        that no pending update reads are cleared now: the optimizer's outside the model,
+        or the model's outside its layer groups."""
+        self._check_open("model.zero_grad()" if every else "optimizer.zero_grad()")
+        self._add_actions(zero_action(set_to_none, every))
+        self._zero_now(set_to_none, every)
+
+    def _zero_now(self, set_to_none: bool, every: bool) -> None:
+        for params in ((self.outside,) if every else (ps for _, ps in self.local)):
             for p in params:
                 if p.grad is not None:
                     if set_to_none:
@@ -410,6 +442,35 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
     def _own_groups(self) -> list:
         return [self.reduce_group] + ([self.buffer_group] if self.buffer_group is not None
                                       else [])
+
+
+class RoutedZeroGrad:
+    """``zero_grad(set_to_none=True)`` of the plain model while it is wrapped: the engine's,
+    for every parameter of the model. Holds the engine weakly: set on the model, it would
+    otherwise close a cycle model -> engine -> model.
+
+    A deep copy of the model (an EMA copy, say) is not wrapped: its ``zero_grad`` is
+    nn.Module's, bound to the copy, where copying this object would copy the engine (its
+    threads and process groups with it)."""
+
+    __slots__ = ("engine",)
+
+    def __init__(self, engine: "DataParallelEngine"):
+        self.engine = weakref.ref(engine)
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        engine = self.engine()
+        if engine is None:
+            raise DataParallelError("commsched.wrap: model.zero_grad() after the wrapped "
+                                    "model was dropped")
+        engine.zero_grad(set_to_none, every=True)
+
+    def __deepcopy__(self, memo):
+        engine = self.engine()
+        copy = memo.get(id(engine.module)) if engine is not None else None
+        if copy is None:
+            return self
+        return types.MethodType(torch.nn.Module.zero_grad, copy)
 
 
 def sibling_group(group):

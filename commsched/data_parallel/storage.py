@@ -17,8 +17,9 @@ reference the engine holds stay as they are; only the memory under them comes an
 
 Rules:
 - Released only where nothing can read it: every parameter of the group holds no
-  ``.grad`` (zero_grad with ``set_to_none=True`` ran for the whole group, the optimizer
-  owning all of its parameters), no request is pending, and nothing outside the engine
+  ``.grad`` (zero_grad with ``set_to_none=True`` ran for the whole group: the model's
+  ``zero_grad()``, or the optimizer's where it owns all of the group's parameters), no
+  request is pending, and nothing outside the engine
   holds one of the ``.grad`` objects (a gradient the loop kept) or, with whole layer
   groups all-reduced, any other view of the storage. With partitioned chunks and in
   rs_ag the lane keeps views of it into the next iteration, so only the ``.grad``
@@ -79,14 +80,17 @@ def count_owned(groups) -> None:
         g.view_refs = _view_refs(g)
 
 
-def release_grads(g, views_known: bool = True) -> None:
+def release_grads(g, views_known: bool = True, whole: bool = False) -> None:
     """zero_grad(set_to_none=True) ran for ``g``: give its buffer's memory back where
     nothing can read it any more (module docstring). ``views_known``: no view of the
     buffer but the engine's own outlives a request, so one more is somebody else's
     (whole layer groups all-reduced); where the lane keeps views of it into the next
     iteration (partitioned chunks, rs_ag's shards), only the ``.grad`` objects are
-    checked."""
-    if g.released or not g.fully_owned or g.sparse is not None or g.request is not None:
+    checked. ``whole``: that zero_grad() took every parameter of the group (the model's
+    zero_grad(), or the optimizer's where it owns them all), so that no slot is left
+    known to be zero: a released slot holds nothing."""
+    if (g.released or not (whole or g.fully_owned) or g.sparse is not None
+            or g.request is not None):
         return
     for p in g.params:
         if p.grad is not None:

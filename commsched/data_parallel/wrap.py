@@ -6,7 +6,8 @@ data-parallel mode.
         loss = loss_fn(model(x), y)
         loss.backward()          # gradients go to the scheduler as layer groups complete
         optimizer.step()         # records the step; returns at once
-        optimizer.zero_grad()    # deferred per layer group until its update ran
+        optimizer.zero_grad()    # deferred per layer group until its update ran (so is
+                                 # model.zero_grad(), of the wrapped or the plain model)
     commsched.drain(model)       # before evaluation on raw parameters, checkpoints, exit
 
 The next forward starts while the last layer groups are still communicating; each module
@@ -72,6 +73,13 @@ class DataParallelModel(torch.nn.Module):
             yield
         finally:
             self._no_sync = old
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's ``zero_grad()`` for every parameter of the model, per layer group
+        once its pending update ran, as ``optimizer.zero_grad()`` is: the updates still
+        pending read their gradients first. So is ``zero_grad()`` of the model passed to
+        ``wrap`` (unless its class defines its own)."""
+        self._engine.zero_grad(set_to_none, every=True)
 
     def drain(self) -> None:
         """Complete all outstanding communication and optimizer updates."""
@@ -219,6 +227,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         lambda module, prefix, keep_vars: engine.drain()))
     engine._hooks.append(model.register_load_state_dict_pre_hook(
         lambda module, *args: engine.drain()))
+    engine.route_zero_grad()
     wrapped_optimizer = DataParallelOptimizer(optimizer, engine)
     _release_when_dropped(engine, wrapped, wrapped_optimizer)
     owner = weakref.ref(engine)

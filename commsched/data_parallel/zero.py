@@ -45,7 +45,7 @@ import torch
 from commsched.config import ConfigError
 from commsched.errors import DataParallelError, NotSupportedError, UnsupportedError
 
-from .actions import UPDATE, ZERO
+from .actions import UPDATE, Zeroing, zero_action
 from .engine import WHOLE, DataParallelEngine, sibling_group
 from .groups import LayerGroup, copy_flags
 from .update import PER_GROUP, StepRecord, is_elementwise, snapshot
@@ -204,14 +204,14 @@ class ZeroEngine(DataParallelEngine):
                                         if g.params[j].grad is not None])
                                    for g in groups for k, pieces in g.shard_params))
 
-    def _zero(self, g: LayerGroup, set_to_none: bool) -> None:
-        super()._zero(g, set_to_none)
+    def _zero(self, g: LayerGroup, zeroing: Zeroing) -> None:
+        super()._zero(g, zeroing)
         g.consistent = True
         g.grads_full = True
 
-    def _run_zeros(self, groups: List[LayerGroup], set_to_none: bool) -> None:
+    def _run_zeros(self, groups: List[LayerGroup], zeroing: Zeroing) -> None:
         for g in groups:
-            self._zero(g, set_to_none)
+            self._zero(g, zeroing)
 
     def _finish_round(self) -> None:
         """Run the round of the last step(): every group's update, then its all-gather, in
@@ -268,12 +268,15 @@ class ZeroEngine(DataParallelEngine):
         self._round = True          # run by the next forward (Invariant 2)
         self._recorder_step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, every: bool = False) -> None:
         """Queued behind the pending update of every group, and run with it (the optimizer
-        holds only the model's parameters here: there are no others to zero now)."""
-        self._check_open("optimizer.zero_grad()")
+        holds only the model's trainable parameters here: the model's zero_grad() alone
+        has others to clear now, those outside the layer groups)."""
+        self._check_open("model.zero_grad()" if every else "optimizer.zero_grad()")
+        action = zero_action(set_to_none, every)
         for g in self.groups:
-            g.actions.append((ZERO, set_to_none))
+            g.actions.append(action)
+        self._zero_now(set_to_none, every)
 
     def drain(self) -> None:
         self._finish_backward()

@@ -45,6 +45,8 @@ class Spec(NamedTuple):
     subgroups: bool = False         # ranks {0,1} and {2,3} train separately (group=...)
     user_collective: bool = False   # the loop all-reduces the loss on the group every step
     set_to_none: bool = True        # zero_grad(set_to_none=...)
+    zero_grad: str = "optimizer"    # whose zero_grad() the loop calls: optimizer | model
+                                    # (what DDP / wrap returned) | module (the plain model)
     per_rank_init: bool = False     # every rank initialises differently (see make_model)
     credit: int = 1024              # Config.credit_bytes; 0: a window of whole layer groups
     groups_in_flight: int = 2       # Config.groups_in_flight: that window, in groups (0: none)
@@ -230,7 +232,8 @@ def train(model, inner, opt, spec: Spec, rank: int, trace: Trace, on_step=None, 
             opt.step()
         if sched is not None:
             sched.step()
-        opt.zero_grad(set_to_none=spec.set_to_none)
+        {"optimizer": opt, "model": model, "module": inner}[spec.zero_grad].zero_grad(
+            set_to_none=spec.set_to_none)
         if spec.user_collective:
             # The application's own collective on the training group (a loss average for
             # logging), while the last chunks of the step may still wait for credit.
@@ -511,6 +514,18 @@ CASES_2 = {
                                          groups_in_flight=0),
     "plan_holds_first_group_unused": Spec(model="branchy", opt="rmsprop",
                                                           credit=0, hold_first=True),
+    # the loop zeroes gradients with the model's zero_grad() (nn.Module's), not the
+    # optimizer's: that of the model wrap returned, or of the plain model passed to it
+    "model_zero_grad": Spec(opt="adamw_foreach", zero_grad="model"),
+    "model_zero_grad_keep": Spec(opt="sgd", zero_grad="model", set_to_none=False),
+    "module_zero_grad_timing": Spec(model="branchy", opt="adamw_foreach", sleeps=True,
+                                    zero_grad="module"),
+    "module_zero_grad_keep_unused": Spec(model="branchy", opt="adamw_foreach", accum=2,
+                                         zero_grad="module", set_to_none=False),
+    "rs_ag_model_zero_grad": Spec(opt="adamw_foreach", zero_grad="model",
+                                  decompose="rs_ag"),
+    "rs_ag_model_zero_grad_keep": Spec(opt="sgd", zero_grad="model", set_to_none=False,
+                                       decompose="rs_ag"),
 }
 
 CASES_4 = {

@@ -73,15 +73,21 @@ def _diff(model, ddp):
                for p, q in zip(model.module.parameters(), ddp.module.parameters()))
 
 
-def _step_both(ddp, ddp_opt, model, opt, rank, step, set_to_none=True):
+def _step_both(ddp, ddp_opt, model, opt, rank, step, set_to_none=True, zeroes="optimizer",
+               observe=_stored):
+    """One step of both; returns ``observe(model)`` after backward. ``zeroes``: whose
+    zero_grad() the loop calls, the optimizer's, the model's (DDP's, and the one wrap
+    returned) or the plain model's (``module``)."""
     for m in (ddp, model):
         x, y = _batch(rank, step)
         F.mse_loss(m(x), y).backward()
-    observed = _stored(model)
+    observed = observe(model)
     ddp_opt.step()
     opt.step()
-    ddp_opt.zero_grad(set_to_none=set_to_none)
-    opt.zero_grad(set_to_none=set_to_none)
+    zero = {"optimizer": (ddp_opt, opt), "model": (ddp, model),
+            "module": (ddp.module, model.module)}[zeroes]
+    for z in zero:
+        z.zero_grad(set_to_none=set_to_none)
     return observed
 
 
@@ -97,6 +103,24 @@ def _default(rank):
             "diff": _diff(model, ddp)}
 
 
+def _model_zero_grad(rank, zeroes="model", bf16=False, decompose="none"):
+    """The loop zeroes gradients with the model's zero_grad(), not the optimizer's."""
+    ddp, ddp_opt, model, opt = _pair(_adamw, bf16=bf16, decompose=decompose)
+    after_backward, after_forward = [], []
+    for step in range(STEPS):
+        # (in bfloat16 what backward writes is the copy in that type)
+        after_backward.append(_step_both(ddp, ddp_opt, model, opt, rank, step,
+                                         zeroes=zeroes,
+                                         observe=_comm_stored if bf16 else _stored))
+        with torch.no_grad():
+            model(_batch(rank, 99)[0])      # its pre-hooks run whatever update is left
+        after_forward.append(_stored(model))
+    model.drain()
+    return {"after_backward": after_backward, "after_forward": after_forward,
+            "comm_after_drain": _comm_stored(model) if bf16 else None,
+            "diff": _diff(model, ddp)}
+
+
 def _bf16(rank):
     ddp, ddp_opt, model, opt = _pair(bf16=True)
     comm_after_backward = []
@@ -109,10 +133,10 @@ def _bf16(rank):
             "diff": _diff(model, ddp)}
 
 
-def _keep_zeroed(rank, bf16=False):
+def _keep_zeroed(rank, bf16=False, zeroes="optimizer"):
     ddp, ddp_opt, model, opt = _pair(bf16=bf16)
     for step in range(STEPS):
-        _step_both(ddp, ddp_opt, model, opt, rank, step, set_to_none=False)
+        _step_both(ddp, ddp_opt, model, opt, rank, step, set_to_none=False, zeroes=zeroes)
     model.drain()
     grads = [p.grad for p in model.module.parameters()]
     return {"after_drain": _stored(model), "diff": _diff(model, ddp),
@@ -221,7 +245,17 @@ SCENARIOS = {"default": _default, "bf16": _bf16, "keep_zeroed": _keep_zeroed,
              # PyTorch's bf16_compress_hook)
              "bf16_keep_zeroed": functools.partial(_keep_zeroed, bf16=True),
              "bf16_no_sync": functools.partial(_no_sync, bf16=True),
-             "bf16_clip_and_scaler": functools.partial(_clip_and_scaler, bf16=True)}
+             "bf16_clip_and_scaler": functools.partial(_clip_and_scaler, bf16=True),
+             # the model's zero_grad() in the loop: the one wrap returned, the plain
+             # model's, with bfloat16 all-reduces, with rs_ag, keeping zeroed gradients
+             "model_zero_grad": _model_zero_grad,
+             "module_zero_grad": functools.partial(_model_zero_grad, zeroes="module"),
+             "bf16_model_zero_grad": functools.partial(_model_zero_grad, bf16=True),
+             "rs_ag_model_zero_grad": functools.partial(_model_zero_grad,
+                                                        decompose="rs_ag"),
+             "model_keep_zeroed": functools.partial(_keep_zeroed, zeroes="model"),
+             "bf16_model_keep_zeroed": functools.partial(_keep_zeroed, bf16=True,
+                                                         zeroes="model")}
 
 
 def _worker(rank, world_size, out_dir):
@@ -263,7 +297,8 @@ def test_bfloat16_copies_live_from_backward_to_the_cast_back(ranks):
         assert r["diff"] == 0.0       # DDP with PyTorch's bf16_compress_hook
 
 
-@pytest.mark.parametrize("name", ["keep_zeroed", "bf16_keep_zeroed"])
+@pytest.mark.parametrize("name", ["keep_zeroed", "bf16_keep_zeroed", "model_keep_zeroed",
+                                  "bf16_model_keep_zeroed"])
 def test_zero_grad_keeping_tensors_keeps_the_memory_and_zeroes_it(ranks, name):
     for r in _all(ranks, name):
         assert r["after_drain"] == [True] * 3
@@ -305,6 +340,22 @@ def test_a_gradient_the_loop_keeps_keeps_its_group_and_its_values(ranks):
         assert r["after_drain"] == [True, False, False]
         assert r["kept_diff"] == 0.0
         assert r["diff"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["model_zero_grad", "module_zero_grad",
+                                  "bf16_model_zero_grad", "rs_ag_model_zero_grad"])
+def test_the_model_s_zero_grad_gives_the_memory_back_as_the_optimizer_s_does(ranks, name):
+    """nn.Module's zero_grad() in the loop, of the wrapped model or of the plain one
+    passed to wrap: queued behind the pending updates like the optimizer's, so the
+    updates read their gradients (the parameters are DDP's, whose loop calls DDP's
+    model.zero_grad()) and each group's memory goes after its update."""
+    for r in _all(ranks, name):
+        assert r["after_backward"] == [[True] * 3] * STEPS
+        assert r["after_forward"] == [[False] * 3] * STEPS
+        if r["comm_after_drain"] is not None:
+            assert r["comm_after_drain"] == [False] * 3
+        # (rs_ag: the tolerance of its other scenario here)
+        assert r["diff"] == 0.0 if not name.startswith("rs_ag") else r["diff"] < 1e-6
 
 
 def test_rs_ag_releases_gradients_never_the_parameters(ranks):
