@@ -82,6 +82,26 @@ def test_wrap_refuses_an_optimizer_over_another_models_parameters(world1):
         wrap(net, torch.optim.SGD(_mlp().parameters(), lr=0.1))
 
 
+def test_a_refused_rs_ag_wrap_leaves_the_model_training_as_before(world1):
+    """rs_ag needs the optimizer to hold exactly the trainable parameters; refused, the
+    model keeps none of the engine's hooks: its gradients are plain autograd's, and it can
+    be wrapped again."""
+    net, reference = _mlp(), _mlp()
+    partial = torch.optim.SGD(list(net.parameters())[:2], lr=0.1)
+    with pytest.raises(commsched.CommschedError, match="exactly"):
+        wrap(net, partial, Config(decompose="rs_ag"))
+    for p in net.parameters():
+        assert not p._post_accumulate_grad_hooks and not p._backward_hooks
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    for m in (net, reference):
+        m(x).square().sum().backward()
+    for ours, theirs in zip(net.parameters(), reference.parameters()):
+        assert torch.equal(ours.grad, theirs.grad)
+        ours.grad = None
+    model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), Config(decompose="rs_ag"))
+    model.close()
+
+
 def test_wrap_refuses_a_dict_for_a_config(world1):
     net = _mlp()
     with pytest.raises(commsched.ConfigError, match="config=builtins.dict: expected a "

@@ -43,7 +43,8 @@ from typing import List, Optional
 import torch
 
 from commsched.config import ConfigError
-from commsched.errors import DataParallelError, NotSupportedError, UnsupportedError
+from commsched.errors import (CommschedError, DataParallelError, NotSupportedError,
+                              UnsupportedError)
 
 from .actions import UPDATE, Zeroing, zero_action
 from .engine import WHOLE, DataParallelEngine, sibling_group
@@ -90,11 +91,18 @@ class ZeroEngine(DataParallelEngine):
         # requests not submitted yet; a forward waiting for an all-gather must never wait
         # behind a reduce-scatter of the backward that follows it.
         self.gather_group = sibling_group(group)
-        if self.local or not all(g.fully_owned for g in self.groups):
-            raise ConfigError("commsched data-parallel rs_ag: the optimizer must hold exactly "
-                              "the model's trainable parameters")
-        if self.mode != PER_GROUP:
-            raise UnsupportedError("commsched data-parallel rs_ag needs a per-parameter optimizer")
+        try:
+            if self.local or not all(g.fully_owned for g in self.groups):
+                raise ConfigError("commsched data-parallel rs_ag: the optimizer must hold "
+                                  "exactly the model's trainable parameters")
+            if self.mode != PER_GROUP:
+                raise UnsupportedError(
+                    "commsched data-parallel rs_ag needs a per-parameter optimizer")
+        except CommschedError:
+            # Known only once the base engine built its groups: nothing of it stays on the
+            # model (its hooks, threads and process groups).
+            self.release()
+            raise
         # All-gathers are submitted in forward (= priority) order from a forward pre-hook,
         # drain() or the next backward: their lane must not block on a collective there (a
         # plan exchange, or the configuration check of its creation, done here instead).
