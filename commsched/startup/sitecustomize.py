@@ -20,6 +20,9 @@ def _on() -> bool:
     return os.environ.get("COMMSCHED", "").strip() == "1"
 
 
+# The finder below repeats the shape of megatron_patches.install's on purpose: this module
+# runs at interpreter start-up from a bare PYTHONPATH entry and must import nothing of
+# commsched (nor torch through it) until torch or commsched is imported by the process.
 class _AfterImport:
     """A finder that wraps the loaders of ``torch`` and ``commsched`` so that commsched is
     installed once the outermost of their imports has finished (commsched imports torch:
