@@ -146,12 +146,41 @@ def _exchange(local: dict, group, ranks: List[int], what: str, timeout_s: float)
                     f"group's store: {exc}")
         verdict = _unanswered(missing, ranks, what, timeout_s)
         if first:
-            store.set(verdict_key, json.dumps(verdict))
+            _announce(store, prefix, verdict, [r for r in ranks[1:] if r not in missing])
         return verdict
     if not first:
-        return json.loads(store.get(verdict_key))
+        return _read_verdict(store, prefix, me, ranks[0], what)
     verdict = _verdict([json.loads(value) for value in store.multi_get(keys)], ranks, what)
-    store.set(verdict_key, json.dumps(verdict))
+    _announce(store, prefix, verdict, ranks[1:])
+    return verdict
+
+
+def _announce(store, prefix: str, verdict: str, readers: List[int]) -> None:
+    """Set ``verdict`` for the group's other ranks. An error verdict is waited on until
+    ``readers`` have read it (at most ``VERDICT_GRACE_S``): the first rank raises next, and
+    where it hosts the store its exit would take the verdict with it."""
+    store.set(prefix + "verdict", json.dumps(verdict))
+    if not verdict or not readers:
+        return
+    try:
+        store.wait([f"{prefix}read/{r}" for r in readers],
+                   datetime.timedelta(seconds=VERDICT_GRACE_S))
+    except RuntimeError:
+        pass                 # a reader gone meanwhile reads nothing: raise all the same
+
+
+def _read_verdict(store, prefix: str, me: int, first: int, what: str) -> str:
+    """The verdict the group's first rank set (``wait`` saw it), acknowledged as read."""
+    try:
+        verdict = json.loads(store.get(prefix + "verdict"))
+    except RuntimeError as exc:
+        return (f"commsched: the agreement check ({what}) could not read the verdict of the "
+                f"group's first rank (rank {first}) from the process group's store: {exc}")
+    if verdict:
+        try:
+            store.set(f"{prefix}read/{me}", "1")
+        except RuntimeError:
+            pass             # the first rank stopped waiting: the verdict is read all the same
     return verdict
 
 

@@ -144,7 +144,8 @@ def _one_rank_never_answers(rank, world, port, out_dir, silent):
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(f"{time.monotonic() - start:.1f}\n{outcome}")
     else:
-        while len(os.listdir(out_dir)) < world - 1:
+        deadline = time.monotonic() + 30     # (a rank that died without writing: no hang)
+        while len(os.listdir(out_dir)) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.1)
     os._exit(0)
 
@@ -171,6 +172,46 @@ def test_a_rank_that_never_answers_the_agreement_check_is_named_within_the_timeo
             f"commsched: ranks [{silent}] did not answer the agreement check before the first "
             f"collective (scheduler configuration) within 3 s, where ranks {answered} did: "
             f"they run without commsched"), (rank, message)
+
+
+def _first_rank_exits_on_the_error(rank, world, port, out_dir):
+    """Rank 0 (the group's first, the store's host) disagrees and exits the moment its
+    AgreementError is raised, as a training script does."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    sched = Scheduler(Config(timeout_s=20, partition_bytes=1024 if rank == 0 else 2048))
+    try:
+        sched.submit(torch.ones(10), key="b0")
+        outcome = "no error"
+    except AgreementError as exc:
+        if rank == 0:
+            os._exit(0)
+        outcome = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any other error is the failure
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+    os._exit(0)
+
+
+def test_the_verdict_reaches_every_rank_when_the_first_rank_exits_on_it(tmp_path):
+    for attempt in range(3):              # (without the read receipts most runs lose it)
+        out = tmp_path / str(attempt)
+        out.mkdir()
+        ctx = mp.start_processes(_first_rank_exits_on_the_error,
+                                 args=(3, free_port(), str(out)), nprocs=3, join=False,
+                                 start_method="spawn")
+        for p in ctx.processes:
+            p.join(timeout=60)
+        alive = [p for p in ctx.processes if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, "a rank hung"
+        for rank in (1, 2):
+            message = (out / f"rank{rank}.txt").read_text()
+            assert message.startswith("commsched: ranks disagree before the first "
+                                      "collective"), (attempt, rank, message)
+            assert "'partition_bytes' differs" in message, (attempt, rank, message)
 
 
 def test_without_commsched_timeout_the_agreement_check_waits_the_start_up_bound():
