@@ -45,12 +45,12 @@ def require_instance(value, kind: type, name: str, where: str) -> None:
                                f"{kind.__module__}.{kind.__qualname__} or None")
 
 
-def require_module(model, where: str) -> None:
-    """``model`` must be a ``torch.nn.Module``."""
+def require_module(model, where: str, name: str = "model") -> None:
+    """``model`` (the argument ``name``) must be a ``torch.nn.Module``."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
-        raise UnsupportedError(f"{where}: model={_kind(model)}: expected a torch.nn.Module")
+        raise UnsupportedError(f"{where}: {name}={_kind(model)}: expected a torch.nn.Module")
 
 
 def require_optimizer(optimizer, model, where: str) -> None:

@@ -33,7 +33,8 @@ from commsched import unused
 from commsched.adapter import DDP_HOOK, adapter_config, build_scheduler, close
 from commsched.config import Config, ConfigError, warn_data_parallel_only
 from commsched.errors import CommschedError
-from commsched.inputs import require_config, require_group, require_instance, require_observer
+from commsched.inputs import (require_config, require_group, require_instance, require_module,
+                              require_observer)
 from commsched.scheduler import Scheduler
 
 __all__ = ["CommschedState", "commsched_hook", "register", "registered_state", "other_hook",
@@ -73,7 +74,7 @@ class CommschedState:
 
     def __init__(self, ddp_model: torch.nn.Module, config: Optional[Config] = None,
                  group=None, scheduler: Optional[Scheduler] = None, observer=None):
-        config = require_config(config, "commsched.hooks.CommschedState")
+        _check_state_arguments(ddp_model, config, group, scheduler, observer)
         config = config if config is not None else Config.from_env()
         warn_data_parallel_only(config, "DDP hook", stacklevel=3)
         self.recorder = None
@@ -276,6 +277,21 @@ def _check_arguments(ddp_model, config, state_kwargs) -> None:
     group = state_kwargs.get("group")
     require_group(group if group is not None else getattr(ddp_model, "process_group", None),
                   where)
+
+
+def _check_state_arguments(ddp_model, config, group, scheduler, observer) -> None:
+    """``CommschedState``'s arguments, before anything is built. The group is checked
+    where torch.distributed is up; a state made before (Lightning's) checks its kind only."""
+    where = "commsched.hooks.CommschedState"
+    require_module(ddp_model, where, "ddp_model")
+    require_config(config, where)
+    require_instance(scheduler, Scheduler, "scheduler", where)
+    require_observer(observer, where)
+    if dist.is_initialized():
+        require_group(group if group is not None else getattr(ddp_model, "process_group", None),
+                      where)
+    else:
+        require_instance(group, dist.ProcessGroup, "group", where)
 
 
 def registered_state(ddp_model) -> Optional[CommschedState]:

@@ -184,6 +184,32 @@ def test_register_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
     assert registered_state(ddp) is None
 
 
+@pytest.mark.parametrize("bad", BAD, ids=repr)
+def test_a_state_built_directly_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
+    from commsched.hooks import CommschedState
+
+    ddp = _ddp(_mlp())
+    calls = [lambda: CommschedState(bad)]
+    if bad is not None:
+        calls += [lambda: CommschedState(ddp, bad), lambda: CommschedState(ddp, scheduler=bad),
+                  lambda: CommschedState(ddp, group=bad),
+                  lambda: CommschedState(ddp, observer=bad)]
+    for call in calls:
+        with pytest.raises(commsched.CommschedError):
+            call()
+
+
+def test_a_state_built_directly_names_a_destroyed_group(world1):
+    from commsched.hooks import CommschedState
+
+    group = dist.new_group([0])
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    dist.destroy_process_group(group)
+    with pytest.raises(commsched.CommschedError,
+                       match="CommschedState: process group .* cannot be used .destroyed"):
+        CommschedState(ddp)
+
+
 def test_register_refuses_a_model_whose_process_group_was_destroyed(world1):
     group = dist.new_group([0])
     ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
