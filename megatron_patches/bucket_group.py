@@ -382,7 +382,7 @@ class Runtime:
                     recorder = self.recorder
                     notices.started(
                         f"megatron-core {self.version} bucket-group collectives go through "
-                        f"the scheduler", self.config,
+                        f"the scheduler ({_ranks_of_job()})", self.config,
                         os.path.dirname(recorder.path) if recorder and recorder.enabled
                         else None)
         return self.scheduler
@@ -391,6 +391,14 @@ class Runtime:
         """Complete what is outstanding, stop the scheduler's threads, close telemetry."""
         if self.scheduler is not None:
             close(self.scheduler, self.recorder, timeout)
+
+
+def _ranks_of_job() -> str:
+    """"a job of N ranks" for the start-up line. Rank 0 prints it at its first bucket,
+    before the scheduler's agreement check, so it names the job's size, not how many
+    ranks run the patches (that check fails the job, naming them, where some do not)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return f"a job of {world} ranks" if world > 1 else "a job of one rank"
 
 
 def _reduction(average: bool, group, tensor: torch.Tensor):

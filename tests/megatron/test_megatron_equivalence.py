@@ -279,6 +279,7 @@ def _worker(rank, world, names, outdir):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
                                              pipeline_model_parallel_size=1)
     results = {}
+    sys.stderr = _Tee(sys.stderr)
     try:
         for name in names:
             try:
@@ -287,11 +288,30 @@ def _worker(rank, world, names, outdir):
                 results[name] = f"raised {type(exc).__name__}: {exc}"
                 raise
             finally:
+                results[START_UP] = [line for line in "".join(sys.stderr.written).splitlines()
+                                     if line.startswith("commsched: on ")]
                 with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
                     json.dump(results, f)
     finally:
         parallel_state.destroy_model_parallel()
     dist.barrier()
+
+
+START_UP = "start-up lines"
+
+
+class _Tee:
+    """stderr, with what was written kept (the start-up lines are checked)."""
+
+    def __init__(self, stream):
+        self.stream, self.written = stream, []
+
+    def write(self, text):
+        self.written.append(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +340,17 @@ def test_patched_megatron_equals_stock(outcomes, name):
         if outcome is None:
             pytest.fail(f"rank {rank} did not run {name!r}: workers failed with {error!r}")
         assert outcome == "ok", f"rank {rank}: {outcome}"
+
+
+def test_rank_0_alone_says_the_scheduler_is_on_and_the_jobs_size(outcomes):
+    results, error = outcomes
+    lines = results.get((0, START_UP))
+    assert lines, f"no start-up line on rank 0 (workers: {error!r})"
+    from commsched.megatron_patches.versions import megatron_version
+
+    version = megatron_version()
+    for line in lines:
+        assert line.startswith("commsched: on (version "), line
+        assert (f"megatron-core {version} bucket-group collectives go through the scheduler "
+                f"(a job of {WORLD} ranks); settings: ") in line, line
+    assert results.get((1, START_UP)) == []
