@@ -13,6 +13,21 @@ from commsched.safety import AgreementError
 from distributed import free_port, run_workers
 
 
+def _run_ranks(target, world, *args, timeout=60):
+    """``target(rank, world, port, *args)`` in ``world`` spawned processes; their
+    processes once all have ended. A rank still alive at ``timeout`` is killed: a hang."""
+    ctx = mp.start_processes(target, args=(world, free_port(), *args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    for p in ctx.processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in ctx.processes if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    return ctx.processes
+
+
 def _disagreeing_config(rank, world):
     sched = Scheduler(Config(partition_bytes=1024 if rank == 0 else 2048))
     with pytest.raises(AgreementError) as err:
@@ -94,18 +109,10 @@ def _dies_mid_iteration(rank, world, port, out_dir, crash_at):
 @pytest.mark.parametrize("crash_at, during", [(3, "plan exchange"), (5, "chunk")])
 def test_a_dead_peer_is_an_error_naming_what_it_was_waiting_for_not_a_hang(
         tmp_path, crash_at, during):
-    ctx = mp.start_processes(_dies_mid_iteration,
-                             args=(2, free_port(), str(tmp_path), crash_at),
-                             nprocs=2, join=False, start_method="spawn")
     t0 = time.monotonic()
-    for p in ctx.processes:
-        p.join(timeout=90)
+    processes = _run_ranks(_dies_mid_iteration, 2, str(tmp_path), crash_at, timeout=90)
     elapsed = time.monotonic() - t0
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
-    assert ctx.processes[0].exitcode == 3
+    assert processes[0].exitcode == 3
     message = (tmp_path / "rank0.txt").read_text()
     assert "commsched:" in message and f"iteration {crash_at}" in message, message
     assert "ranks [0, 1]" in message, message
@@ -155,15 +162,7 @@ def _one_rank_never_answers(rank, world, port, out_dir, silent):
 @pytest.mark.parametrize("silent", [1, 0])
 def test_a_rank_that_never_answers_the_agreement_check_is_named_within_the_timeout(
         tmp_path, silent):
-    ctx = mp.start_processes(_one_rank_never_answers,
-                             args=(3, free_port(), str(tmp_path), silent), nprocs=3,
-                             join=False, start_method="spawn")
-    for p in ctx.processes:
-        p.join(timeout=60)
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
+    _run_ranks(_one_rank_never_answers, 3, str(tmp_path), silent)
     answered = [r for r in range(3) if r != silent]
     for rank in answered:
         elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
@@ -198,15 +197,7 @@ def test_the_verdict_reaches_every_rank_when_the_first_rank_exits_on_it(tmp_path
     for attempt in range(3):              # (without the read receipts most runs lose it)
         out = tmp_path / str(attempt)
         out.mkdir()
-        ctx = mp.start_processes(_first_rank_exits_on_the_error,
-                                 args=(3, free_port(), str(out)), nprocs=3, join=False,
-                                 start_method="spawn")
-        for p in ctx.processes:
-            p.join(timeout=60)
-        alive = [p for p in ctx.processes if p.is_alive()]
-        for p in alive:
-            p.kill()
-        assert not alive, "a rank hung"
+        _run_ranks(_first_rank_exits_on_the_error, 3, str(out))
         for rank in (1, 2):
             message = (out / f"rank{rank}.txt").read_text()
             assert message.startswith("commsched: ranks disagree before the first "
@@ -244,14 +235,7 @@ def _exchange_without_peer(rank, world, port, out_dir):
 
 
 def test_an_exchange_of_commscheds_own_is_bounded_by_commsched_timeout(tmp_path):
-    ctx = mp.start_processes(_exchange_without_peer, args=(2, free_port(), str(tmp_path)),
-                             nprocs=2, join=False, start_method="spawn")
-    for p in ctx.processes:
-        p.join(timeout=60)
-    alive = [p for p in ctx.processes if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a rank hung"
+    _run_ranks(_exchange_without_peer, 2, str(tmp_path))
     elapsed, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert 2 <= float(elapsed) < 8, elapsed
     assert message.startswith("commsched: the plan exchange did not complete within 2 s "
