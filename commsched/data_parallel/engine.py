@@ -25,6 +25,7 @@ actions to the deferred side.
 from __future__ import annotations
 
 import functools
+import hashlib
 import types
 import warnings
 import weakref
@@ -36,7 +37,9 @@ import torch.distributed as dist
 from commsched.adapter import DATA_PARALLEL, adapter_config, build_scheduler, close
 from commsched.config import MAX_BYTES, Config, ConfigError, env_fields
 from commsched.errors import CommschedWarning, DataParallelError, UnavailableError
+from commsched.safety import agreement_timeout, check_agreement
 from commsched.scheduler import Scheduler
+from commsched.version import __version__
 
 from .actions import UPDATE, DeferredActions, ModuleHook, zero_action
 from .groups import LayerGroup, build_groups, grad_view_class, narrows, plain, sent
@@ -117,6 +120,12 @@ class DataParallelEngine(GradientSubmission, DeferredActions):
         self._unused = [False] * len(self.params)
         self.view_cls = grad_view_class(self)
 
+        # Before the first collective (the broadcast below): every rank wraps the same
+        # model in the same groups, or its broadcast and every group's collectives would
+        # pair with other tensors; a rank that never wraps is named within the bound.
+        check_agreement(
+            _layout(module, self.groups, self.decompose, config, broadcast_buffers), group,
+            what="commsched.wrap", timeout_s=agreement_timeout(config.timeout_s))
         # Initial state from rank 0, like DDP.
         _broadcast([p.detach() for p in module.parameters()]
                    + [b for b in module.buffers()], group, self.src)
@@ -479,6 +488,27 @@ def sibling_group(group):
     if group is None:
         return dist.new_group()
     return dist.new_group(dist.get_process_group_ranks(group), use_local_synchronization=True)
+
+
+def _layout(module: torch.nn.Module, groups: List[LayerGroup], decompose: str,
+            config: Config, broadcast_buffers: bool) -> Dict[str, object]:
+    """What decides the wrapped model's collectives, for the agreement check: the model
+    (a line naming it, with a digest of every parameter's and buffer's name, shape and
+    dtype), the layer groups' sizes and how they are reduced."""
+    tensors = [(kind, name, tuple(t.shape), str(t.dtype))
+               for kind, named in (("parameter", module.named_parameters()),
+                                   ("buffer", module.named_buffers()))
+               for name, t in named]
+    digest = hashlib.sha256(repr(tensors).encode()).hexdigest()[:12]
+    count = sum(p.numel() for p in module.parameters())
+    return {
+        "commsched version": __version__,
+        "model": (f"{type(module).__name__}, {count:,} parameters in {len(tensors)} "
+                  f"tensors (layout {digest})"),
+        "layer groups (elements)": [g.numel for g in groups],
+        "decompose": decompose, "grad_reduce_dtype": config.grad_reduce_dtype,
+        "broadcast_buffers": broadcast_buffers,
+    }
 
 
 def _broadcast(tensors: List[torch.Tensor], group, src: int) -> None:
