@@ -272,22 +272,20 @@ def _check_arguments(ddp_model, config, state_kwargs) -> None:
     if unknown:
         raise ConfigError(f"{where}: unexpected argument(s) {', '.join(unknown)} (it takes "
                           f"config, group, scheduler, observer)")
-    require_instance(state_kwargs.get("scheduler"), Scheduler, "scheduler", where)
-    require_observer(state_kwargs.get("observer"), where)
-    group = state_kwargs.get("group")
-    require_group(group if group is not None else getattr(ddp_model, "process_group", None),
-                  where)
+    _check_state_arguments(ddp_model, config, where=where, before_start=False, **state_kwargs)
 
 
-def _check_state_arguments(ddp_model, config, group, scheduler, observer) -> None:
+def _check_state_arguments(ddp_model, config, group=None, scheduler=None, observer=None,
+                           where: str = "commsched.hooks.CommschedState",
+                           before_start: bool = True) -> None:
     """``CommschedState``'s arguments, before anything is built. The group is checked
-    where torch.distributed is up; a state made before (Lightning's) checks its kind only."""
-    where = "commsched.hooks.CommschedState"
+    where torch.distributed is up; a state made before it (Lightning's; ``before_start``:
+    allowed) checks its kind only."""
     require_module(ddp_model, where, "ddp_model")
     require_config(config, where)
     require_instance(scheduler, Scheduler, "scheduler", where)
     require_observer(observer, where)
-    if dist.is_initialized():
+    if dist.is_initialized() or not before_start:
         require_group(group if group is not None else getattr(ddp_model, "process_group", None),
                       where)
     else:
