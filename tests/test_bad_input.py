@@ -25,13 +25,9 @@ from commsched.telemetry.errors import TelemetryError
 from commsched.telemetry.store import create_store, load_run
 from commsched.telemetry.writer import StoreWriter
 
-from telemetry.helpers import write_run
+from models import tiny_mlp
 from sim import synthetic
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+from telemetry.helpers import write_run
 
 
 def _ddp(net):
@@ -41,7 +37,7 @@ def _ddp(net):
 # --- commsched.wrap / drain ---------------------------------------------------------------
 
 def test_wrap_refuses_a_model_that_a_live_wrap_still_owns(world1):
-    net = _mlp()
+    net = tiny_mlp()
     model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     try:
         with pytest.raises(commsched.CommschedError, match="earlier commsched.wrap"):
@@ -56,7 +52,7 @@ def test_wrap_refuses_a_model_that_a_live_wrap_still_owns(world1):
 
 
 def test_a_refused_second_wrap_leaves_the_first_training_as_plain_sgd(world1):
-    net, reference = _mlp(), _mlp()
+    net, reference = tiny_mlp(), tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     try:
@@ -76,17 +72,17 @@ def test_a_refused_second_wrap_leaves_the_first_training_as_plain_sgd(world1):
 
 
 def test_wrap_refuses_an_optimizer_over_another_models_parameters(world1):
-    net = _mlp()
+    net = tiny_mlp()
     with pytest.raises(commsched.CommschedError,
                        match="4 parameter\\(s\\) that are not the model's"):
-        wrap(net, torch.optim.SGD(_mlp().parameters(), lr=0.1))
+        wrap(net, torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))
 
 
 def test_a_refused_rs_ag_wrap_leaves_the_model_training_as_before(world1):
     """rs_ag needs the optimizer to hold exactly the trainable parameters; refused, the
     model keeps none of the engine's hooks: its gradients are plain autograd's, and it can
     be wrapped again."""
-    net, reference = _mlp(), _mlp()
+    net, reference = tiny_mlp(), tiny_mlp()
     partial = torch.optim.SGD(list(net.parameters())[:2], lr=0.1)
     with pytest.raises(commsched.CommschedError, match="exactly"):
         wrap(net, partial, Config(decompose="rs_ag"))
@@ -103,14 +99,14 @@ def test_a_refused_rs_ag_wrap_leaves_the_model_training_as_before(world1):
 
 
 def test_wrap_refuses_a_dict_for_a_config(world1):
-    net = _mlp()
+    net = tiny_mlp()
     with pytest.raises(commsched.ConfigError, match="config=builtins.dict: expected a "
                                                     "commsched.Config"):
         wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), {"decompose": "rs_ag"})
 
 
 def test_wrap_refuses_what_env_refuses_and_warns_what_env_warns(world1, monkeypatch, capsys):
-    net = _mlp()
+    net = tiny_mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     monkeypatch.setenv("COMMSCHED_DECOMPOSE", "rs_ag")
     monkeypatch.setenv("COMMSCHED_GRAD_REDUCE_DTYPE", "bfloat16")
@@ -145,7 +141,7 @@ BAD = [None, 1, "not a model", [], {}, object(), torch.zeros(2), torch.nn.Linear
 
 @pytest.mark.parametrize("bad", BAD, ids=repr)
 def test_wrap_and_drain_answer_every_wrong_kind_with_a_commsched_error(world1, bad):
-    net = _mlp()
+    net = tiny_mlp()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     calls = [lambda: wrap(bad, opt), lambda: wrap(net, bad), lambda: drain(bad)]
     if bad is not None:
@@ -161,7 +157,7 @@ def test_wrap_and_drain_answer_every_wrong_kind_with_a_commsched_error(world1, b
 # --- commsched.hooks.register -----------------------------------------------------------
 
 def test_register_refuses_a_dict_for_a_config_and_unknown_arguments(world1):
-    ddp = _ddp(_mlp())
+    ddp = _ddp(tiny_mlp())
     with pytest.raises(commsched.ConfigError, match="config=builtins.dict"):
         commsched.hooks.register(ddp, {"partition_bytes": 1 << 20})
     with pytest.raises(commsched.ConfigError, match="unexpected argument\\(s\\) partition"):
@@ -171,7 +167,7 @@ def test_register_refuses_a_dict_for_a_config_and_unknown_arguments(world1):
 
 @pytest.mark.parametrize("bad", BAD, ids=repr)
 def test_register_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
-    ddp = _ddp(_mlp())
+    ddp = _ddp(tiny_mlp())
     calls = [lambda: commsched.hooks.register(bad)]
     if bad is not None:
         calls += [lambda: commsched.hooks.register(ddp, bad),
@@ -188,7 +184,7 @@ def test_register_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
 def test_a_state_built_directly_answers_every_wrong_kind_with_a_commsched_error(world1, bad):
     from commsched.hooks import CommschedState
 
-    ddp = _ddp(_mlp())
+    ddp = _ddp(tiny_mlp())
     calls = [lambda: CommschedState(bad)]
     if bad is not None:
         calls += [lambda: CommschedState(ddp, bad), lambda: CommschedState(ddp, scheduler=bad),
@@ -203,7 +199,7 @@ def test_a_state_built_directly_names_a_destroyed_group(world1):
     from commsched.hooks import CommschedState
 
     group = dist.new_group([0])
-    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_mlp(), process_group=group)
     dist.destroy_process_group(group)
     with pytest.raises(commsched.CommschedError,
                        match="CommschedState: process group .* cannot be used .destroyed"):
@@ -212,7 +208,7 @@ def test_a_state_built_directly_names_a_destroyed_group(world1):
 
 def test_register_refuses_a_model_whose_process_group_was_destroyed(world1):
     group = dist.new_group([0])
-    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_mlp(), process_group=group)
     dist.destroy_process_group(group)
     with pytest.raises(commsched.CommschedError, match="cannot be used .destroyed"):
         commsched.hooks.register(ddp)
@@ -221,7 +217,7 @@ def test_register_refuses_a_model_whose_process_group_was_destroyed(world1):
 
 def test_a_group_destroyed_after_register_is_named_at_the_first_backward(world1):
     group = dist.new_group([0])
-    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=group)
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_mlp(), process_group=group)
     state = commsched.hooks.register(ddp)
     dist.destroy_process_group(group)
     try:

@@ -8,14 +8,11 @@ import torch
 import commsched
 from commsched.data_parallel import DataParallelOptimizer, drain, wrap
 
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+from models import tiny_mlp
 
 
 def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1):
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0)
     try:
         assert isinstance(opt, torch.optim.Optimizer) and isinstance(opt, DataParallelOptimizer)
@@ -29,7 +26,7 @@ def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1)
 
 
 def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
-    net = _mlp()
+    net = tiny_mlp()
     with pytest.raises(TypeError, match="LBFGS"):
         wrap(net, torch.optim.LBFGS(net.parameters()))
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -44,7 +41,7 @@ def test_wrap_rejects_ddp_models_rewrapping_and_lbfgs(world1):
 
 def test_layer_group_size_comes_from_the_config_unless_passed(world1):
     def groups(config=None, **kwargs):
-        net = _mlp()
+        net = tiny_mlp()
         model, _ = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), config, **kwargs)
         try:
             return len(model._engine.groups)
@@ -58,7 +55,7 @@ def test_layer_group_size_comes_from_the_config_unless_passed(world1):
     # A first group of 1 byte closes after the first module; the next may hold 2 bytes.
     assert groups(commsched.Config(first_group_bytes=1)) == 2
     assert groups(commsched.Config(first_group_bytes=1), group_bytes=1 << 20) == 2
-    net = _mlp()
+    net = tiny_mlp()
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=f"group_bytes={bad!r}"):
             wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=bad)
@@ -67,7 +64,7 @@ def test_layer_group_size_comes_from_the_config_unless_passed(world1):
 
 @pytest.mark.parametrize("decompose", ["hier", "leader"])
 def test_topology_decompositions_are_refused_naming_the_variable(world1, decompose):
-    net = _mlp()
+    net = tiny_mlp()
     with pytest.raises(ValueError, match=f"decompose='{decompose}'.*COMMSCHED_DECOMPOSE"):
         wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
              commsched.Config(decompose=decompose))
@@ -75,13 +72,13 @@ def test_topology_decompositions_are_refused_naming_the_variable(world1, decompo
 
 
 def test_rs_ag_rejects_optimizers_that_are_not_elementwise(world1):
-    net = _mlp()
+    net = tiny_mlp()
     with pytest.raises(TypeError, match="Adafactor"):
         wrap(net, torch.optim.Adafactor(net.parameters()), commsched.Config(decompose="rs_ag"))
 
 
 def test_rs_ag_second_synchronised_backward_without_zero_grad_is_an_error(world1):
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1),
                       commsched.Config(decompose="rs_ag"), group_bytes=0)
     try:
@@ -127,7 +124,7 @@ def test_non_reentrant_checkpointing_trains_like_the_plain_model(world1):
 
 
 def test_zero_grad_sets_grads_to_none_and_reading_them_waits(world1):
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0,
                       reads_grads=True)
     try:
@@ -153,10 +150,10 @@ def test_checkpoint_round_trip_continues_identically(world1, decompose):
             opt.step()
             opt.zero_grad()
 
-    a_net = _mlp()
+    a_net = tiny_mlp()
     a, a_opt = wrap(a_net, torch.optim.AdamW(a_net.parameters(), lr=0.01), config,
                     group_bytes=0)
-    b_net = _mlp()
+    b_net = tiny_mlp()
     b, b_opt = wrap(b_net, torch.optim.AdamW(b_net.parameters(), lr=0.01), config,
                     group_bytes=0)
     try:
@@ -187,7 +184,7 @@ def test_forward_pre_hooks_only_while_a_group_is_pending(world1, decompose):
     first among the module's pre-hooks; a forward without one takes nn.Module's plain
     call path. The updates still land before each module's forward: the parameters
     follow plain SGD on the same batches."""
-    net, ref = _mlp(), _mlp()
+    net, ref = tiny_mlp(), tiny_mlp()
     user_calls = []
     linears = [net[0], net[2]]
     linears[0].register_forward_pre_hook(lambda m, args: user_calls.append(1))
@@ -234,7 +231,7 @@ def test_a_dropped_model_and_optimizer_are_freed_with_the_scheduler_s_threads(
     import weakref
 
     before = {t.name for t in threading.enumerate()}
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.AdamW(net.parameters()),
                       commsched.Config(decompose=decompose), group_bytes=0)
     for _ in range(3):
@@ -253,7 +250,7 @@ def test_a_dropped_model_and_optimizer_are_freed_with_the_scheduler_s_threads(
 
 
 def test_close_still_works_and_a_closed_model_refuses_to_step(world1):
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     model(torch.randn(3, 4)).sum().backward()
     model.close()

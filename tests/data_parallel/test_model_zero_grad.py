@@ -16,6 +16,8 @@ import torch
 import commsched
 from commsched.data_parallel import drain, wrap
 
+from models import tiny_mlp
+
 from .scenarios import CASES_2
 
 MODEL_ZERO_GRAD = sorted(n for n in CASES_2 if CASES_2[n].zero_grad != "optimizer")
@@ -48,13 +50,8 @@ def test_the_model_s_zero_grad_leaves_the_updates_overlapping_the_next_forward(
     assert r["warnings"] == 0
 
 
-def _net():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-
-
 def test_the_plain_model_s_zero_grad_goes_through_the_mode_until_it_is_closed(world1):
-    net = _net()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0)
     try:
         model(torch.randn(3, 4)).sum().backward()
@@ -76,7 +73,7 @@ def test_the_plain_model_s_zero_grad_goes_through_the_mode_until_it_is_closed(wo
 def test_a_deep_copy_of_the_plain_model_is_not_wrapped(world1):
     """An EMA copy, say: its zero_grad() is nn.Module's, on its own gradients; the wrapped
     model trains on as the plain model does."""
-    net, ref = _net(), _net()
+    net, ref = tiny_mlp(), tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), group_bytes=0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     try:
@@ -124,7 +121,7 @@ def test_the_model_s_zero_grad_takes_parameters_the_optimizer_does_not_hold(
     reference is the plain model under the same calls (one rank: the averaged gradient is
     the local one)."""
     def build():
-        net = _net()
+        net = tiny_mlp()
         net[0].bias.requires_grad_(False)       # frozen: in no layer group
         net[0].bias.grad = torch.ones(8)
         return net

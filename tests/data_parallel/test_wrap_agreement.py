@@ -13,12 +13,7 @@ from commsched import Config
 from commsched.data_parallel import wrap
 from commsched.safety import AgreementError
 from distributed import run_workers
-
-
-def _mlp(width=8):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(),
-                               torch.nn.Linear(width, 2))
+from models import tiny_mlp
 
 
 def _refused(rank, net, config=None, **kwargs):
@@ -32,7 +27,7 @@ def _refused(rank, net, config=None, **kwargs):
 
 
 def _other_model(rank, world):
-    net = _mlp(8 if rank == 0 else 9)
+    net = tiny_mlp(8 if rank == 0 else 9)
     message = _refused(rank, net)
     assert message.startswith("commsched: ranks disagree before the first collective "
                               "(commsched.wrap)"), message
@@ -47,7 +42,7 @@ def test_ranks_wrapping_different_models_are_refused_before_any_collective():
 
 def _other_groups(rank, world):
     # (one group of 58 elements; one per Linear: 4 x 8 + 8, 8 x 2 + 2)
-    message = _refused(rank, _mlp(), group_bytes=None if rank == 0 else 0)
+    message = _refused(rank, tiny_mlp(), group_bytes=None if rank == 0 else 0)
     assert "'layer groups (elements)' differs (ranks [0]: [58]; ranks [1]: [40, 18])" \
         in message, message
     assert "'model' differs" not in message
@@ -59,7 +54,7 @@ def test_ranks_cutting_the_model_into_other_groups_are_refused():
 
 def _other_reduction(rank, world):
     config = Config(grad_reduce_dtype="bfloat16") if rank == 1 else None
-    message = _refused(rank, _mlp(), config)
+    message = _refused(rank, tiny_mlp(), config)
     assert "'grad_reduce_dtype' differs (ranks [0]: None; ranks [1]: 'bfloat16')" \
         in message, message
 
@@ -75,7 +70,7 @@ def _one_rank_never_wraps(rank, world, out_dir):
             time.sleep(0.05)
         return
     start = time.monotonic()
-    message = _refused(rank, _mlp(), Config(timeout_s=3))
+    message = _refused(rank, tiny_mlp(), Config(timeout_s=3))
     with open(done, "w") as f:
         f.write(f"{time.monotonic() - start:.1f}\n{message}")
 
@@ -90,7 +85,7 @@ def test_a_rank_that_never_wraps_is_named_within_the_timeout(tmp_path):
 
 
 def _same_everywhere(rank, world):
-    net = _mlp()
+    net = tiny_mlp()
     model, opt = wrap(net, torch.optim.SGD(net.parameters(), lr=0.1))
     try:
         model(torch.randn(3, 4)).sum().backward()
