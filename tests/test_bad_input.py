@@ -25,9 +25,9 @@ from commsched.telemetry.errors import TelemetryError
 from commsched.telemetry.store import create_store, load_run
 from commsched.telemetry.writer import StoreWriter
 
-from models import tiny_mlp
 from sim import synthetic
 from telemetry.helpers import write_run
+from tiny_nets import tiny_mlp
 
 
 def _ddp(net):

@@ -8,7 +8,7 @@ import torch
 import commsched
 from commsched.data_parallel import DataParallelOptimizer, drain, wrap
 
-from models import tiny_mlp
+from tiny_nets import tiny_mlp
 
 
 def test_wrapped_optimizer_drives_lr_schedulers_on_the_real_param_groups(world1):

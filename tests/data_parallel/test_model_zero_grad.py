@@ -16,7 +16,7 @@ import torch
 import commsched
 from commsched.data_parallel import drain, wrap
 
-from models import tiny_mlp
+from tiny_nets import tiny_mlp
 
 from .scenarios import CASES_2
 

@@ -13,7 +13,7 @@ from commsched import Config
 from commsched.data_parallel import wrap
 from commsched.safety import AgreementError
 from distributed import run_workers
-from models import tiny_mlp
+from tiny_nets import tiny_mlp
 
 
 def _refused(rank, net, config=None, **kwargs):

@@ -1,4 +1,5 @@
-"""Small models the tests share."""
+"""Small models the tests share (not named `models`: tests import examples/bench/models.py
+by that name)."""
 
 import torch
 
